@@ -1,0 +1,75 @@
+"""The attention-backend seam: metadata every backend reads, and the backend protocol.
+
+Owns: AttentionMetadata (built once per forward by the model runner, read by every layer)
+and the AttentionBackend protocol. Does not know: how a backend computes attention.
+
+KV layout (shared with triton_kernels/): per layer, K and V are (num_slots, kv_heads, head_dim)
+tensors; slot = page * page_size + offset. `slot_table[row, i]` is the slot of token i of the
+request in table row `row`. A forward first stores its new tokens' K/V at `out_slots`, then
+each new token at absolute position p attends to slots slot_table[row, 0 : p + 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radixserve.types import Phase
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Requests of a decode batch whose first `length` KV slots are the same tree pages.
+
+    A backend may attend to those slots once for the whole group (one gather, one matmul)
+    and merge with each request's own part by log-sum-exp; it may also ignore this.
+    """
+
+    members: torch.Tensor  # (n,) int64 batch indices
+    slots: torch.Tensor  # (length,) int64
+    length: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    phase: Phase
+    slot_table: torch.Tensor  # (max_reqs, max_model_len) int32
+    rows: torch.Tensor  # (B,) int64: table row of each request in the batch
+    prefix_lens: torch.Tensor  # (B,) int32: tokens with KV before this forward
+    extend_lens: torch.Tensor  # (B,) int32: new tokens this forward (decode: all 1)
+    seq_lens: torch.Tensor  # (B,) int32: prefix_lens + extend_lens
+    cu_extend: torch.Tensor  # (B + 1,) int32: offsets of each request's new tokens in q
+    out_slots: torch.Tensor  # (T,) int64: where the new tokens' K/V are stored
+    # Host-side copies, known by the scheduler without a device sync.
+    prefix_lens_cpu: tuple[int, ...]
+    extend_lens_cpu: tuple[int, ...]
+    max_seq_len: int
+    max_extend_len: int
+    rows_cpu: tuple[int, ...] = ()
+    # Decode only, optional: shared tree prefixes, and where each request's own part starts
+    # (0 for a request in no group). Backends that ignore them stay correct.
+    shared: tuple[SharedPrefix, ...] = ()
+    own_start: torch.Tensor | None = None  # (B,) int64
+    own_start_cpu: tuple[int, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Stores this forward's K/V into the pool, then attends through the slot table."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, num_q_heads, head_dim)
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim), written in place
+        v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim), written in place
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
+        ...

@@ -1,0 +1,43 @@
+"""The KV pool: per-layer K and V tensors addressed by slot, and the slot table.
+
+Owns: the device memory of the KV cache and of the (request row, token) -> slot table, and
+their sizing. Does not know: which slots are free (PageAllocator), which are cached
+(RadixCache), or which request holds what (the scheduler).
+
+Layout: k[layer] is (num_slots, kv_heads, head_dim); slot = page * page_size + offset.
+slot_table[row, i] is the slot of token i of the request in `row`; the model runner writes
+the entries of the tokens it computes, so entries past a request's length are stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVPoolSize:
+    num_pages: int
+    page_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class KVPool:
+    def __init__(self, size: KVPoolSize, num_layers: int, num_kv_heads: int, head_dim: int,
+                 max_reqs: int, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.size = size
+        shape = (num_layers, size.num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Zero-initialized so every entry is a valid slot index (the torch decode path
+        # gathers a padded block and masks, so it reads past each request's length).
+        self.slot_table = torch.zeros((max_reqs, max_model_len), dtype=torch.int32, device=device)

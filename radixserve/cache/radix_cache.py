@@ -1,0 +1,380 @@
+"""RadixCache: the prefix tree that owns the cached KV slots.
+
+Owns the token-prefix -> slot mapping of every cached token, the lock counts that pin the
+prefixes running requests use, and LRU eviction of unlocked leaves. It does not know tensors,
+requests, the page allocator (evict returns slots, the caller frees their pages) or the model;
+slot ids are plain ints it only checks for page alignment.
+
+Layout: one root per salt (namespace), so two salts never share a node. Each node holds a span
+of tokens `key` and their slots `value` as `array('i')` (4 bytes a token); children are keyed by
+their first page (the first token when page_size == 1, else a tuple of page_size tokens), so
+every key and every match is a whole number of pages. Invariants (check_integrity):
+  - lock_ref(node) >= sum of its children's lock_ref (a lock pins its node and all ancestors);
+  - last_access(node) <= last_access(parent) (every touch touches the whole path);
+  - the evictable leaves are exactly the unlocked non-root nodes without children; each has
+    an entry in the lazy LRU heap (stale entries are skipped or re-pushed when popped).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from enum import Enum
+from typing import NamedTuple, TypeAlias
+
+import numpy as np
+
+ChildKey: TypeAlias = "int | tuple[int, ...]"
+_INT = np.intc  # the C int behind array('i')
+
+
+class CacheEventKind(str, Enum):
+    """Equal to the plain strings "stored", "removed", "cleared"."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class CacheEvent(NamedTuple):
+    """One change of the cached token set, for a subscriber such as the router.
+
+    token_ids is the full path from the root to the end of the affected node; tokens
+    [prefix_len:] are the ones stored or removed. CLEARED (reset) clears every salt and
+    carries no tokens. Node splits are not events: the cached set does not change.
+    """
+
+    kind: CacheEventKind
+    token_ids: tuple[int, ...]
+    prefix_len: int
+    salt: str
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "salt")
+
+    def __init__(
+        self, key: array[int], value: array[int], parent: TreeNode | None, last_access: int,
+        salt: str,
+    ) -> None:
+        self.key = key  # token ids of this span
+        self.value = value  # their slots, same length
+        self.parent = parent  # None only for a salt's root
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.lock_ref = 0  # locks held on this node or any descendant
+        self.last_access = last_access  # the cache's operation counter, not wall time
+        self.salt = salt
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, "
+                f"last_access={self.last_access}, children={len(self.children)})")
+
+
+class MatchResult(NamedTuple):
+    node: TreeNode  # deepest matched node: lock it while using `slots`
+    cached_len: int  # a multiple of page_size
+    slots: list[int]  # slots of token_ids[:cached_len]
+
+
+class InsertResult(NamedTuple):
+    num_already_cached: int  # leading tokens the tree already had before this insert
+    node: TreeNode  # the node of the last inserted token
+
+
+class RadixCache:
+    """Longest-prefix match, insert, lock/unlock and LRU eviction over int token ids.
+
+    Ownership contract of insert (aligned_len = len(token_ids) rounded down to whole pages):
+
+        token_ids: [ already cached ........ | new ........... | partial page ]
+                   0          num_already_cached        aligned_len        len
+        slots:       caller's copies: freed    tree takes them   caller keeps/frees
+                     by the caller unless
+                     they came from the tree
+
+    Disabled: match finds nothing, insert takes nothing and reports every whole page as
+    already cached, so a caller following the contract frees all of its slots.
+    """
+
+    def __init__(
+        self, page_size: int = 1, disabled: bool = False,
+        on_event: Callable[[CacheEvent], None] | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.disabled = disabled
+        self._on_event = on_event
+        self._clock = 0
+        self._seq = itertools.count()  # heap tie-break, so nodes are never compared
+        self._roots: dict[str, TreeNode] = {}
+        self.root = self._new_root("")
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._evictable_leaves: set[TreeNode] = set()
+        self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, seq, leaf), lazy
+
+    @property
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes: all of them can be evicted, leaves first."""
+        return self._evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in locked nodes."""
+        return self._protected_size
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
+        """The longest cached prefix of token_ids in whole pages; touches it for LRU.
+
+        Splits the last node when the match ends inside it, so the result's node covers
+        exactly the match. Passing an array('i') skips a conversion. NOTE: the caller
+        caps the query (e.g. token_ids[:-1]) when it needs logits for the last token.
+        """
+        root = self._roots.get(salt)
+        if self.disabled or root is None:
+            return MatchResult(self.root, 0, [])
+        query = self._to_array(token_ids, self._aligned(len(token_ids)))
+        node, cached_len = self._walk(root, query, self._tick())
+        return MatchResult(node, cached_len, self._path_concat(node, values=True).tolist())
+
+    def insert(
+        self, token_ids: Sequence[int], slots: Sequence[int], salt: str = ""
+    ) -> InsertResult:
+        """Cache token_ids[:aligned_len] with their slots; see the class docstring for ownership."""
+        if len(token_ids) != len(slots):
+            raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
+        aligned_len = self._aligned(len(token_ids))
+        if self.disabled:
+            return InsertResult(aligned_len, self.root)
+        root = self._roots.get(salt) or self._new_root(salt)
+        query = self._to_array(token_ids, aligned_len)
+        tick = self._tick()
+        node, num_cached = self._walk(root, query, tick)
+        if num_cached < aligned_len:
+            value = self._to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
+            self._assert_whole_pages(value)
+            node = self._add_leaf(node, query[num_cached:], value, tick)
+        return InsertResult(num_cached, node)
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin node and its ancestors against eviction. Locking a root does nothing."""
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one lock(node)."""
+        while node.parent is not None:
+            assert node.lock_ref > 0, f"unlock without a matching lock: {node}"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected_size -= len(node.key)
+                self._evictable_size += len(node.key)
+                if not node.children:
+                    self._push_evictable(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> list[int]:
+        """Remove unlocked leaves, least recently used first, until >= num_tokens slots are
+        freed or nothing is evictable. Whole leaves only, so the last one may overshoot.
+        Returns the freed slots; the caller gives their pages back to the allocator."""
+        freed: array[int] = array("i")
+        heap = self._heap
+        while len(freed) < num_tokens and heap:
+            access, _, node = heapq.heappop(heap)
+            if node not in self._evictable_leaves:
+                continue  # locked, grew children or already evicted since it was pushed
+            if access != node.last_access:  # touched since it was pushed: requeue at its age
+                heapq.heappush(heap, (node.last_access, next(self._seq), node))
+                continue
+            self._remove_leaf(node)
+            freed.extend(node.value)
+        return freed.tolist()
+
+    def reset(self) -> list[int]:
+        """Drop everything; returns every slot the tree held. Nothing may be locked."""
+        assert self._protected_size == 0, "reset while requests hold locked prefixes"
+        slots = self.all_slots()
+        self._roots.clear()
+        self.root = self._new_root("")
+        self._evictable_size = 0
+        self._evictable_leaves.clear()
+        self._heap.clear()
+        if self._on_event is not None:
+            self._on_event(CacheEvent(CacheEventKind.CLEARED, (), 0, ""))
+        return slots
+
+    def all_slots(self) -> list[int]:
+        out: array[int] = array("i")
+        for node in self._iter_nodes():
+            out.extend(node.value)
+        return out.tolist()
+
+    def check_integrity(self) -> None:
+        """Recompute every invariant and counter from the nodes; AssertionError on mismatch."""
+        for salt, root in self._roots.items():
+            assert root.parent is None and not root.key and root.salt == salt, root
+            assert root.lock_ref == 0, "a root was locked"
+        evictable = protected = 0
+        leaves: set[TreeNode] = set()
+        values: array[int] = array("i")
+        for node in self._iter_nodes():
+            n, parent = len(node.key), node.parent
+            assert parent is not None and parent.salt == node.salt
+            assert n > 0 and n == len(node.value) and n % self.page_size == 0, node
+            assert parent.children.get(self._child_key(node.key, 0)) is node, "broken link"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node
+            assert parent.parent is None or node.last_access <= parent.last_access, node
+            if node.lock_ref:
+                protected += n
+            else:
+                evictable += n
+                if not node.children:
+                    leaves.add(node)
+            values.extend(node.value)
+        assert (evictable, protected) == (self._evictable_size, self._protected_size)
+        assert leaves == self._evictable_leaves, "evictable leaf set is stale"
+        assert all(access <= node.last_access for access, _, node in self._heap)
+        assert leaves <= {node for _, _, node in self._heap}, "an evictable leaf is not queued"
+        assert len(np.unique(np.frombuffer(values, dtype=_INT))) == len(values), "slot twice"
+        self._assert_whole_pages(values)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _new_root(self, salt: str) -> TreeNode:
+        root = TreeNode(array("i"), array("i"), None, 0, salt)
+        self._roots[salt] = root
+        return root
+
+    def _child_key(self, key: array[int], start: int) -> ChildKey:
+        if self.page_size == 1:
+            return key[start]
+        return tuple(key[start:start + self.page_size])
+
+    @staticmethod
+    def _to_array(ids: Sequence[int], n: int) -> array[int]:
+        if isinstance(ids, array) and ids.typecode == "i":
+            return ids[:n]
+        if isinstance(ids, np.ndarray):
+            return array("i", np.ascontiguousarray(ids[:n], dtype=_INT).tobytes())
+        return array("i", ids[:n])
+
+    def _common_len(self, key: array[int], query: array[int], pos: int) -> int:
+        """Whole-page length of the common prefix of key and query[pos:].
+
+        A C-level array equality settles the common full-span case; numpy finds the first
+        mismatch only when there is one (see bench/radix_tree.py for the measurements)."""
+        m = min(len(key), len(query) - pos)
+        if (key if m == len(key) else key[:m]) == query[pos:pos + m]:
+            return m
+        a = np.frombuffer(key, dtype=_INT, count=m)
+        b = np.frombuffer(query, dtype=_INT, count=m, offset=pos * query.itemsize)
+        first = int(np.argmax(a != b))
+        return first - first % self.page_size
+
+    def _walk(self, root: TreeNode, query: array[int], tick: int) -> tuple[TreeNode, int]:
+        """Descend along query, splitting where it diverges inside a node and touching every
+        node passed; returns the deepest matched node and the matched length."""
+        node, pos = root, 0
+        while pos < len(query):
+            child = node.children.get(self._child_key(query, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, query, pos)
+            assert m > 0, "a child matched by its first page must share that page"
+            if m < len(child.key):
+                child = self._split(child, m)  # the rest of child differs or the query ended
+            child.last_access = tick
+            node, pos = child, pos + m
+        return node, pos
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut child after m tokens; the new upper node inherits its locks and age."""
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(child.key[:m], child.value[:m], parent, child.last_access, child.salt)
+        upper.lock_ref = child.lock_ref
+        parent.children[self._child_key(child.key, 0)] = upper
+        child.key, child.value, child.parent = child.key[m:], child.value[m:], upper
+        upper.children[self._child_key(child.key, 0)] = child
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: array[int], value: array[int], tick: int
+                  ) -> TreeNode:
+        leaf = TreeNode(key, value, parent, tick, parent.salt)
+        self._evictable_leaves.discard(parent)  # it has a child now
+        parent.children[self._child_key(key, 0)] = leaf
+        self._evictable_size += len(key)
+        self._push_evictable(leaf)
+        self._emit(CacheEventKind.STORED, leaf)
+        return leaf
+
+    def _remove_leaf(self, leaf: TreeNode) -> None:
+        self._emit(CacheEventKind.REMOVED, leaf)
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        del parent.children[self._child_key(leaf.key, 0)]
+        self._evictable_leaves.remove(leaf)
+        self._evictable_size -= len(leaf.key)
+        if parent.parent is not None:
+            if not parent.children and parent.lock_ref == 0:
+                self._push_evictable(parent)
+        elif not parent.children and parent.salt:
+            del self._roots[parent.salt]  # an empty namespace costs nothing to recreate
+
+    def _push_evictable(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node)
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
+            # Stale entries pile up under lock/unlock churn; rebuild in O(leaves), amortized.
+            self._heap = [(n.last_access, next(self._seq), n) for n in self._evictable_leaves]
+            heapq.heapify(self._heap)
+
+    def _path_concat(self, node: TreeNode, values: bool) -> array[int]:
+        parts: list[array[int]] = []
+        while node.parent is not None:
+            parts.append(node.value if values else node.key)
+            node = node.parent
+        out: array[int] = array("i")
+        for part in reversed(parts):
+            out.extend(part)
+        return out
+
+    def _emit(self, kind: CacheEventKind, node: TreeNode) -> None:
+        if self._on_event is None:
+            return
+        path = self._path_concat(node, values=False)
+        self._on_event(CacheEvent(kind, tuple(path), len(path) - len(node.key), node.salt))
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _assert_whole_pages(self, slots: array[int]) -> None:
+        ps = self.page_size
+        if ps == 1:
+            return
+        grid = np.frombuffer(slots, dtype=_INT).reshape(-1, ps)  # (num_pages, ps)
+        assert not (grid[:, 0] % ps).any(), "slots do not start on a page boundary"
+        assert (grid - grid[:, :1] == np.arange(ps)).all(), "slots are not whole pages"

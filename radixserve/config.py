@@ -1,0 +1,85 @@
+"""Frozen, validated settings for the engine and the server; built once at the edge (the CLI).
+
+Owns: ModelConfig-independent knobs (EngineConfig, ServerConfig). Does not know: argparse
+(cli.py builds these), the model's own config.json (model/ reads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX, else float32
+    device: str = "auto"  # auto: cuda if available else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped)
+    kv_cache_tokens: int | None = None  # default: sized from free memory
+    page_size: int = 1
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # token budget of one extend batch
+    chunked_prefill_size: int = 2048  # 0 disables chunking
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ConfigError(
+                f"unknown schedule policy {self.schedule_policy!r}; "
+                f"supported: {', '.join(SCHEDULE_POLICIES)}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"supported: {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ConfigError(f"kv_cache_tokens must be >= page_size, got {self.kv_cache_tokens}")
+        if self.max_running_requests < 1:
+            raise ConfigError("max_running_requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError("max_prefill_tokens must be >= 1")
+        if self.chunked_prefill_size < 0:
+            raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_keys: tuple[str, ...] = ()
+    shared_cache: bool = False  # False: the prefix cache is namespaced per API key
+    served_model_name: str | None = None
+    max_tokens_cap: int | None = None
+    max_input_tokens: int | None = None
+    max_concurrent_per_key: int | None = None
+    max_queue: int | None = None  # waiting + running requests; past it: 429
+    log_stats_interval: float = 5.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_tokens_cap", "max_input_tokens", "max_concurrent_per_key", "max_queue"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,70 @@
+"""The only types that cross the process boundary between the API process and the engine.
+
+Owns: the message dataclasses (pickled through multiprocessing pipes/queues).
+Does not know: aiohttp, torch. Keep them small: token ids, not text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.types import SamplingParams, TokenOutput
+
+
+@dataclass(frozen=True)
+class GenerateMsg:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
+class AbortMsg:
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCacheMsg:
+    pass
+
+
+@dataclass(frozen=True)
+class ShutdownMsg:
+    pass
+
+
+@dataclass(frozen=True)
+class TokenBatchMsg:
+    """Everything one engine step produced, for all requests."""
+
+    outputs: list[TokenOutput]
+
+
+@dataclass(frozen=True)
+class EngineStatsMsg:
+    """Periodic snapshot for /metrics, logs and /server_info."""
+
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineReadyMsg:
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineErrorMsg:
+    """The engine hit an error: for one request (rid set) or fatally (rid None)."""
+
+    message: str
+    rid: str | None = None
+    status: int = 500
+
+
+@dataclass(frozen=True)
+class CacheEventsMsg:
+    """Radix-cache events (radix_cache.CacheEvent tuples) of one or more steps, for /kv_events."""
+
+    events: list[Any]

@@ -1,0 +1,223 @@
+"""ModelRunner: loads the model, sizes the KV pool, and maps a Batch to sampled token ids.
+
+Owns: device/dtype choice, the weights, the KV pool tensors (their contents), the
+attention backend, and the sampler. Reads Req (token ids, slots, cached_len) but never
+writes it: the scheduler is the only mutator of requests.
+Does not know: the radix tree, queues, HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
+from radixserve.config import ConfigError, EngineConfig
+from radixserve.model.llama import LlamaModel
+from radixserve.model.loader import ResolvedModel, resolve_model
+from radixserve.model.rope import RotaryTable
+from radixserve.model.spec import ModelSpec, read_model_spec
+from radixserve.model.weights import load_weights
+from radixserve.sampler import Sampler, SampleResult
+from radixserve.types import Batch, Phase, Req
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 1 << 30  # default on CPU; --kv-cache-tokens overrides
+GPU_MEMORY_FRACTION = 0.85
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if cfg.dtype == "auto":
+        fast_bf16 = device.type == "cuda" or _cpu_has_amx()
+        return device, torch.bfloat16 if fast_bf16 else torch.float32
+    return device, getattr(torch, cfg.dtype)
+
+
+def _choose_backend(name: str, device: torch.device) -> tuple[str, AttentionBackend]:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from radixserve.attention.triton_backend import TritonAttentionBackend
+
+        return name, TritonAttentionBackend()
+    return name, TorchAttentionBackend()
+
+
+MIN_SHARED_PREFIX = 64  # shorter shared prefixes are cheaper to attend per request
+
+
+def find_shared_prefixes(reqs: list[Req]) -> list[tuple[list[int], int]]:
+    """Groups of batch indices whose first S slots are the same tree pages, with S.
+
+    Only tree-owned slots (req.slots[:prefix_len]) are compared: they cannot change while
+    the request runs, and equal slots mean equal KV.
+    """
+    by_first: dict[int, list[int]] = {}
+    for b, r in enumerate(reqs):
+        if r.prefix_len >= MIN_SHARED_PREFIX:
+            by_first.setdefault(r.slots[0], []).append(b)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        length = min(reqs[b].prefix_len for b in members)
+        block = np.array([reqs[b].slots[:length] for b in members])  # (n, length)
+        same = (block == block[0]).all(axis=0)
+        if not same.all():
+            length = int(same.argmin())
+        if length >= MIN_SHARED_PREFIX:
+            groups.append((members, length))
+    return groups
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # (N,)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, show_progress: bool = True) -> None:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device, self.dtype = resolve_device_dtype(cfg)
+        self.resolved: ResolvedModel = resolve_model(cfg.model)
+        self.spec: ModelSpec = read_model_spec(self.resolved.hf_dir)
+        self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        if cfg.max_model_len and cfg.max_model_len > self.spec.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.spec.max_position_embeddings}"
+            )
+        weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
+                               show_progress)
+        rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
+                             self.device)
+        self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
+        self.model = LlamaModel(self.spec, weights, rotary, backend)
+        self.pool = KVPool(self._pool_size(cfg), self.spec.num_layers, self.spec.num_kv_heads,
+                           self.spec.head_dim, cfg.max_running_requests, self.max_model_len,
+                           self.dtype, self.device)
+        from radixserve.tokenizer import eos_token_ids, load_tokenizer
+
+        self.eos_token_ids = eos_token_ids(load_tokenizer(self.resolved.hf_dir),
+                                           self.spec.eos_token_id)
+        self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
+
+    def _pool_size(self, cfg: EngineConfig) -> KVPoolSize:
+        per_token = bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads,
+                                    self.spec.head_dim, self.dtype)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * GPU_MEMORY_FRACTION) // per_token
+        else:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            tokens = min(CPU_KV_BUDGET_BYTES, avail // 4) // per_token
+        num_pages = tokens // cfg.page_size
+        if num_pages * cfg.page_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_pages * cfg.page_size} tokens, fewer than one request of "
+                f"max_model_len {self.max_model_len}; the largest context that fits is "
+                f"{num_pages * cfg.page_size} tokens: lower --max-model-len or raise "
+                f"--kv-cache-tokens"
+            )
+        size = KVPoolSize(num_pages, cfg.page_size)
+        logger.info("KV cache size: %d tokens (%.2f GiB, %s)", size.num_slots,
+                    size.num_slots * per_token / 2**30, self.dtype)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
+                    size.num_slots / self.max_model_len)
+        return size
+
+    def prepare(self, batch: Batch) -> StepInputs:
+        """Flatten the batch into ragged inputs (the scheduler has written the slot table)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        out_slots: list[int] = []
+        logit_rows: list[int] = []
+        prefix_lens = [r.cached_len for r in batch.reqs]
+        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample, strict=False):
+            assert req.table_row >= 0 and n > 0 and len(req.slots) >= req.cached_len + n
+            start, end = req.cached_len, req.cached_len + n
+            ids += req.token_ids[start:end]
+            positions += range(start, end)
+            out_slots += req.slots[start:end]
+            if sample:
+                logit_rows.append(len(ids) - 1)
+        dev = self.device
+        table = self.pool.slot_table
+        extend_lens = list(batch.extend_lens)
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=False)]
+        cu = [0]
+        for n in extend_lens:
+            cu.append(cu[-1] + n)
+        rows = [r.table_row for r in batch.reqs]
+        shared: list[SharedPrefix] = []
+        own_start = [0] * len(rows)
+        if batch.phase is Phase.DECODE:
+            for members, length in find_shared_prefixes(batch.reqs):
+                reqs = batch.reqs
+                shared.append(SharedPrefix(
+                    members=torch.tensor(members, dtype=torch.int64, device=dev),
+                    slots=torch.tensor(reqs[members[0]].slots[:length], dtype=torch.int64,
+                                       device=dev),
+                    length=length))
+                for b in members:
+                    own_start[b] = length
+        meta = AttentionMetadata(
+            phase=batch.phase,
+            slot_table=table,
+            rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_extend=torch.tensor(cu, dtype=torch.int32, device=dev),
+            out_slots=torch.tensor(out_slots, dtype=torch.int64, device=dev),
+            prefix_lens_cpu=tuple(prefix_lens),
+            extend_lens_cpu=tuple(extend_lens),
+            max_seq_len=max(seq_lens),
+            max_extend_len=max(extend_lens),
+            rows_cpu=tuple(rows),
+            shared=tuple(shared),
+            own_start=torch.tensor(own_start, dtype=torch.int64, device=dev),
+            own_start_cpu=tuple(own_start),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )
+
+    def run(self, batch: Batch) -> SampleResult:
+        """Forward the batch; sample one token for every request with `sample` set, in order."""
+        inputs = self.prepare(batch)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                    self.pool.k, self.pool.v, inputs.logit_rows)
+        sampled = [r for r, s in zip(batch.reqs, batch.sample, strict=False) if s]
+        if not sampled:
+            return SampleResult([], [])
+        return self.sampler.sample(logits, sampled)

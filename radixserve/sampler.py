@@ -1,0 +1,118 @@
+"""Turning logits into token ids: penalties, temperature, top-k/p, min-p, seeds, logprobs.
+
+Owns: the sampling math, vectorized over the batch (per-request Python work only for the
+requests that ask for penalties or a seed). Does not know: the model, the KV cache.
+Reads Req (token ids, params); never writes it.
+
+Seeds are stateless: a seeded request's generator is reseeded from (seed, tokens so far) at
+every step, so a preempted and recomputed request samples exactly what it would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.types import Req, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
+        """logits: (B, vocab) float32, one row per request, in order."""
+        token_ids = self._choose(logits, reqs)
+        return SampleResult(token_ids, self._logprobs(logits, reqs, token_ids))
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        params = [r.params for r in reqs]
+        if all(p.greedy and not p.needs_penalties and p.min_tokens == 0 for p in params):
+            return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            if r.params.needs_penalties:
+                self._apply_penalties(logits[i], r)
+            if r.num_output_tokens < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + list(self.eos_token_ids)
+                logits[i, banned] = float("-inf")
+        token_ids = logits.argmax(dim=-1)  # (B,)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            probs = self._filtered_probs(logits[rows], [reqs[i] for i in sampled_rows])
+            token_ids[rows] = self._draw(probs, [reqs[i] for i in sampled_rows])
+        return token_ids.tolist()  # type: ignore[no-any-return]
+
+    def _apply_penalties(self, row: torch.Tensor, req: Req) -> None:
+        p = req.params
+        vocab = row.shape[0]
+        out = torch.tensor(req.output_ids, dtype=torch.int64, device=row.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # (vocab,)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.repetition_penalty != 1.0:
+            # vLLM semantics: every token seen in the prompt or the output is penalized.
+            seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.int64, device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+
+    def _filtered_probs(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)  # (N, vocab)
+        top_k = [r.params.top_k for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        min_p = [r.params.min_p for r in reqs]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k], device=probs.device)
+            drop = ranks >= k[:, None]
+            # Keep a token while the mass strictly before it is below top_p (so >= 1 survives).
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= before >= torch.tensor(top_p, device=probs.device)[:, None]
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        if any(m > 0 for m in min_p):
+            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        out = torch.empty(len(reqs), dtype=torch.int64, device=probs.device)
+        unseeded = [i for i, r in enumerate(reqs) if r.params.seed is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=probs.device)
+            out[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(1)
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None:
+                g = torch.Generator(device=probs.device)
+                g.manual_seed((r.params.seed * 1_000_003 + r.num_tokens) % (2**63))
+                out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        return out
+
+    def _logprobs(self, logits: torch.Tensor, reqs: list[Req],
+                  token_ids: list[int]) -> list[TokenLogprobs | None]:
+        """Logprobs of the raw model distribution (vLLM's default), for requests that ask."""
+        result: list[TokenLogprobs | None] = [None] * len(reqs)
+        wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not wanted:
+            return result
+        lp = torch.log_softmax(logits[torch.tensor(wanted, device=logits.device)], dim=-1)
+        for j, i in enumerate(wanted):
+            n = reqs[i].params.logprobs or 0
+            top_vals, top_ids = lp[j].topk(n)
+            top = tuple(zip(top_ids.tolist(), top_vals.tolist(), strict=False))
+            result[i] = TokenLogprobs(float(lp[j, token_ids[i]]), top)
+        return result

@@ -1,0 +1,168 @@
+"""MemoryManager: the scheduler's page bookkeeping between the allocator, the tree and requests.
+
+Owns: allocation with eviction, matching and locking on admission, moving computed pages
+into the tree (at chunk boundaries and on release), and the decode-token reservation ratio.
+It mutates Req only on the scheduler's behalf (it is the scheduler's helper, not a peer).
+Does not know: batches, phases, sampling.
+
+Region diagram of one request's slots (P = page size, k = cached_len rounded down to P):
+
+    [0, prefix_len)        tree pages, locked via req.cache_node
+    [prefix_len, k)        computed whole pages not yet in the tree -> inserted on progress
+    [k, len(slots))        the partial page and pages allocated ahead: held by the request
+"""
+
+from __future__ import annotations
+
+from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.req_table import ReqTable
+from radixserve.types import Req
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+RATIO_DECAY_STEPS = 600
+
+
+class MemoryManager:
+    def __init__(self, allocator: PageAllocator, cache: RadixCache, req_table: ReqTable,
+                 disable_cache: bool) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.table = req_table
+        self.disabled = disable_cache
+        self.page = allocator.page_size
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def _alloc_pages(self, num_pages: int) -> list[int] | None:
+        pages = self.allocator.alloc(num_pages)
+        if pages is None:
+            short = num_pages - self.allocator.num_free_pages
+            freed = self.cache.evict(short * self.page)
+            if freed:
+                self.allocator.free(self.allocator.slots_to_pages(freed))
+            pages = self.allocator.alloc(num_pages)
+        return pages
+
+    def ensure_slots(self, req: Req, upto: int) -> bool:
+        """Make req.slots cover positions [0, upto); False (nothing changed) if out of memory."""
+        missing = upto - len(req.slots)
+        if missing <= 0:
+            return True
+        pages = self._alloc_pages(-(-missing // self.page))
+        if pages is None:
+            return False
+        req.slots.extend(self.allocator.pages_to_slots(pages))
+        return True
+
+    def available_tokens(self) -> int:
+        return self.allocator.num_free_slots + self.cache.evictable_size
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def peek_match(self, req: Req) -> int:
+        return self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt).cached_len
+
+    def admit(self, req: Req, budget: int, chunk_cap: int | None, reserve: int,
+              force: bool) -> int:
+        """Match, lock, take a table row and slots for the first chunk; return its length (0:
+        not admitted, nothing changed). `force` admits despite the reservation (progress)."""
+        row = self.table.acquire()
+        if row is None:
+            return 0
+        req.table_row = row
+        if not self.disabled:
+            # Leave at least one token to compute: its logits give the next token.
+            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+            self.cache.lock(match.node)
+            req.cache_node, req.slots = match.node, list(match.slots)
+            req.prefix_len = req.cached_len = match.cached_len
+        n = min(req.extend_len, budget, chunk_cap or req.extend_len)
+        fits = self.available_tokens() - n >= (0 if force else reserve)
+        if not fits or not self.ensure_slots(req, req.cached_len + n):
+            self.release(req)
+            return 0
+        self.table.write_row(row, 0, req.slots[: req.cached_len])
+        return n
+
+    def write_extend_entries(self, reqs: list[Req], lens: list[int]) -> None:
+        for req, n in zip(reqs, lens, strict=False):
+            self.table.write_row(req.table_row, req.cached_len,
+                                 req.slots[req.cached_len : req.cached_len + n])
+
+    def write_decode_entries(self, reqs: list[Req]) -> None:
+        self.table.write_entries([r.table_row for r in reqs], [r.cached_len for r in reqs],
+                                 [r.slots[r.cached_len] for r in reqs])
+
+    # ---- moving pages into the tree ------------------------------------------------------
+
+    def cache_progress(self, req: Req) -> None:
+        """Insert the request's computed whole pages into the tree; adopt the tree's copies of
+        pages another request inserted first (freeing ours), and move the lock forward."""
+        if self.disabled:
+            return
+        k = req.cached_len // self.page * self.page
+        if k <= req.prefix_len:
+            return
+        ins = self.cache.insert(req.token_ids[:k], req.slots[:k], req.cache_salt)
+        dup = req.slots[req.prefix_len : ins.num_already_cached]
+        match = self.cache.match_prefix(req.token_ids[:k], req.cache_salt)
+        assert match.cached_len == k, (match.cached_len, k)
+        self.cache.lock(match.node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        if dup:
+            req.slots[req.prefix_len : ins.num_already_cached] = match.slots[
+                req.prefix_len : ins.num_already_cached]
+            self.allocator.free(self.allocator.slots_to_pages(dup))
+            if req.table_row >= 0:
+                self.table.write_row(req.table_row, req.prefix_len,
+                                     req.slots[req.prefix_len : ins.num_already_cached])
+        req.cache_node, req.prefix_len = match.node, k
+
+    def release(self, req: Req) -> None:
+        """Give back everything a request holds (finish, abort, retract): computed pages go to
+        the tree, the rest to the allocator; unlock; free the table row."""
+        self.cache_progress(req)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        own = req.slots[req.prefix_len :]
+        if own:
+            self.allocator.free(self.allocator.slots_to_pages(own))
+        if req.table_row >= 0:
+            self.table.release(req.table_row)
+        req.slots, req.cache_node, req.table_row = [], None, -1
+        req.prefix_len = req.cached_len = 0
+
+    # ---- the decode reservation ----------------------------------------------------------
+
+    def decay_ratio(self) -> None:
+        step = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / RATIO_DECAY_STEPS
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - step)
+
+    def on_retract(self, running: list[Req]) -> None:
+        # Observed progress says how much of max_tokens requests really use; start from it.
+        done = sum(r.num_output_tokens for r in running)
+        asked = sum(r.max_new_tokens for r in running) or 1
+        self.new_token_ratio = min(1.0, max(INIT_NEW_TOKEN_RATIO, done / asked + 0.1))
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def held_tokens(self, live: list[Req]) -> int:
+        return sum(len(r.slots) - r.prefix_len for r in live)
+
+    def check_integrity(self, live: list[Req]) -> None:
+        """free + cached + held == total, no slot owned twice, locks match live requests."""
+        self.allocator.check_integrity()
+        self.cache.check_integrity()
+        held = self.held_tokens(live)
+        total = self.allocator.num_pages * self.page
+        free, cached = self.allocator.num_free_slots, self.cache.total_size
+        assert free + cached + held == total, (free, cached, held, total)
+        owned = [s for r in live for s in r.slots[r.prefix_len :]]
+        assert len(owned) == len(set(owned)), "a slot is held by two requests"
+        assert not set(owned) & set(self.cache.all_slots()), "a held slot is also in the tree"
+        if not live:
+            assert self.cache.protected_size == 0, "locks left with no live request"

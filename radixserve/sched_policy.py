@@ -1,0 +1,57 @@
+"""Ordering of the waiting queue: longest-prefix-match with an age guard, or FCFS; and the
+in-batch sharing test.
+
+Owns: pure decisions over requests and match lengths. Does not know: pages, tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from radixserve.types import Req
+
+LPM_MAX_QUEUE = 128  # past this, matching every waiting request costs more than it saves
+AGE_GUARD_SKIPS = 16  # a request passed over this many times goes to the front
+SHARE_MIN_TOKENS = 32  # an uncached run this long shared with a chosen request: wait a step
+
+
+def order_waiting(waiting: Sequence[Req], match_lens: dict[str, int], policy: str) -> list[Req]:
+    """Requests in the order admission should try them.
+
+    lpm: most cached tokens first (ties: arrival), except that requests passed over
+    AGE_GUARD_SKIPS times come first in arrival order, so a miss is never starved.
+    """
+    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
+        return list(waiting)
+    aged = [r for r in waiting if r.extra.get("skips", 0) >= AGE_GUARD_SKIPS]
+    rest = [r for r in waiting if r.extra.get("skips", 0) < AGE_GUARD_SKIPS]
+    rest.sort(key=lambda r: (-match_lens.get(r.rid, 0), r.arrival))
+    return aged + rest
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def shares_uncached_prefix(req: Req, cached_len: int, chosen: Sequence[Req]) -> bool:
+    """True when `req` shares >= SHARE_MIN_TOKENS uncached prompt tokens with a chosen request.
+
+    Such a request should wait one step: the chosen one computes the shared part and inserts
+    it into the tree, and this one then hits the cache instead of computing it again.
+    """
+    prompt = req.token_ids[: req.num_prompt_tokens]
+    if len(prompt) - cached_len < SHARE_MIN_TOKENS:
+        return False
+    for other in chosen:
+        shared = common_prefix_len(prompt, other.token_ids[: other.num_prompt_tokens])
+        if shared - cached_len >= SHARE_MIN_TOKENS:
+            return True
+    return False

@@ -1,0 +1,266 @@
+"""Scheduler: the waiting queue, admission, chunked prefill, decode batches, preemption.
+
+Owns: every Req (it is their only mutator), table rows, and the request side of page
+ownership. Each page is free (PageAllocator), cached (RadixCache) or held by exactly one
+request: `req.slots[req.prefix_len:]`. `req.slots[:req.prefix_len]` are tree pages, locked
+through `req.cache_node`. Does not know: tensors beyond the slot table, sampling, HTTP.
+
+One step is either EXTEND (prefill chunks of waiting/partially prefilled requests, ordered by
+policy, sharing-aware) or DECODE (one token for every running request). After a decode-heavy
+stretch a new extend goes first; after an extend, running requests get a decode step, so a
+long prefill never starves running streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.req_table import ReqTable
+from radixserve.config import EngineConfig
+from radixserve.sched_memory import MemoryManager
+from radixserve.sched_policy import order_waiting, shares_uncached_prefix
+from radixserve.types import (
+    Batch,
+    FinishReason,
+    InvalidRequestError,
+    Phase,
+    Req,
+    ReqStatus,
+    SamplingParams,
+    TokenOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
+                 req_table: ReqTable, max_model_len: int, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.cfg = cfg
+        self.mem = MemoryManager(allocator, cache, req_table, cfg.disable_radix_cache)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []  # admitted, prompt not fully computed (chunked)
+        self.running: list[Req] = []  # decoding
+        self.reqs: dict[str, Req] = {}
+        self.aborted: list[Req] = []  # finished by abort, reported at the next step
+        self.last_phase = Phase.DECODE
+        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+                         "prompt_tokens": 0, "generation_tokens": 0,
+                         "computed_tokens": 0}
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            cache_salt: str = "") -> Req:
+        """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
+        n = len(prompt_ids)
+        if rid in self.reqs:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max(max_new, 1) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + max_new} tokens ({n} in the prompt, {max_new} in the "
+                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=n, params=params,
+                  max_new_tokens=max_new, cache_salt=cache_salt, arrival=time.monotonic())
+        self.reqs[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.status is ReqStatus.FINISHED:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self._drop_live(req)
+            self.mem.release(req)
+        self._finish(req, FinishReason.ABORT)
+        self.aborted.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self.aborted)
+
+    # ---- forming batches -----------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        want_extend = bool(self.waiting or self.prefilling)
+        if want_extend and (self.last_phase is Phase.DECODE or not self.running):
+            batch = self._schedule_extend()
+            if batch is not None:
+                self.last_phase = Phase.EXTEND
+                return batch
+        batch = self._schedule_decode()
+        if batch is not None:
+            self.last_phase = Phase.DECODE
+            return batch
+        return self._schedule_extend() if want_extend else None
+
+    def _schedule_extend(self) -> Batch | None:
+        budget = self.cfg.max_prefill_tokens
+        chunk_cap = self.cfg.chunked_prefill_size or None
+        reqs: list[Req] = []
+        lens: list[int] = []
+        for req in list(self.prefilling):  # continue chunked prompts first
+            n = min(req.extend_len, budget, chunk_cap or req.extend_len)
+            if n <= 0 or not self.mem.ensure_slots(req, req.cached_len + n):
+                break
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        if budget > 0 and self.waiting:
+            self._admit(reqs, lens, budget, chunk_cap)
+        if not reqs:
+            return None
+        sample = [r.cached_len + n == r.num_tokens for r, n in zip(reqs, lens, strict=False)]
+        self.mem.write_extend_entries(reqs, lens)
+        return Batch(Phase.EXTEND, reqs, lens, sample)
+
+    def _admit(self, reqs: list[Req], lens: list[int], budget: int, chunk_cap: int | None) -> None:
+        matches = {}
+        if not self.cfg.disable_radix_cache and self.cfg.schedule_policy == "lpm":
+            matches = {r.rid: self.mem.peek_match(r) for r in self.waiting}
+        newly: list[Req] = []
+        for req in order_waiting(self.waiting, matches, self.cfg.schedule_policy):
+            if budget <= 0 or len(self.running) + len(self.prefilling) >= self.cfg.max_running_requests:
+                break
+            cached = matches.get(req.rid, 0)
+            if reqs and shares_uncached_prefix(req, cached, reqs):
+                req.extra["skips"] = req.extra.get("skips", 0) + 1
+                continue
+            reserve = self._decode_reserve() + self._future_tokens(req)
+            n = self.mem.admit(req, budget, chunk_cap, reserve, force=not (reqs or self.running))
+            if n == 0:
+                break
+            if req.num_preemptions == 0 and not req.extra.get("counted"):
+                req.extra["counted"] = True
+                req.num_cached_tokens = req.cached_len
+                self.counters["prefix_cache_queries"] += req.num_prompt_tokens
+                self.counters["prefix_cache_hits"] += req.cached_len
+                self.counters["prompt_tokens"] += req.num_prompt_tokens
+            req.status = ReqStatus.RUNNING
+            reqs.append(req)
+            lens.append(n)
+            newly.append(req)
+            budget -= n
+        for req in newly:
+            self.waiting.remove(req)
+            self.prefilling.append(req)
+
+    def _future_tokens(self, req: Req) -> int:
+        return int(min(req.remain_tokens, 4096) * self.mem.new_token_ratio)
+
+    def _decode_reserve(self) -> int:
+        return sum(self._future_tokens(r) for r in self.running + self.prefilling)
+
+    def _schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        self.mem.decay_ratio()
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req not in self.running:
+                continue  # retracted to make room for an earlier one
+            while not self.mem.ensure_slots(req, req.cached_len + 1):
+                victim = self._pick_victim(exclude=req)
+                if victim is None:
+                    raise RuntimeError("KV pool too small for a single request")  # sized at start
+                self._retract(victim)
+        reqs = list(self.running)
+        self.mem.write_decode_entries(reqs)
+        return Batch(Phase.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+
+    def _pick_victim(self, exclude: Req) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude]
+        if not candidates:
+            return None
+        # The request that loses least: fewest output tokens, then the longest prompt
+        # (most of which stays in the tree and is matched back on resumption).
+        return min(candidates, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self.mem.release(req)
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.counters["num_preemptions"] += 1
+        self.mem.on_retract(self.running)
+        self.waiting.appendleft(req)
+
+    # ---- results -------------------------------------------------------------------------
+
+    def process_outputs(self, batch: Batch, token_ids: list[int],
+                        logprobs: list | None = None) -> list[TokenOutput]:
+        outputs: list[TokenOutput] = [self._abort_output(r) for r in self.aborted]
+        self.aborted.clear()
+        sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=False))
+        self.counters["computed_tokens"] += batch.num_tokens
+        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample, strict=False):
+            req.cached_len += n
+            if batch.phase is Phase.EXTEND:
+                self.mem.cache_progress(req)
+            if not sample:
+                continue
+            token, lp = next(sampled)
+            if req.status is ReqStatus.FINISHED:
+                continue  # aborted while its forward ran
+            req.token_ids.append(token)
+            self.counters["generation_tokens"] += 1
+            reason = self._stop_reason(req, token)
+            if batch.phase is Phase.EXTEND:
+                self.prefilling.remove(req)
+                self.running.append(req)
+            if reason is not None:
+                self._drop_live(req)
+                self.mem.release(req)
+                self._finish(req, reason)
+            outputs.append(TokenOutput(req.rid, token, reason, req.num_prompt_tokens,
+                                       req.num_cached_tokens, lp))
+        return outputs
+
+    def drain_aborted(self) -> list[TokenOutput]:
+        outputs = [self._abort_output(r) for r in self.aborted]
+        self.aborted.clear()
+        return outputs
+
+    def _abort_output(self, req: Req) -> TokenOutput:
+        return TokenOutput(req.rid, None, FinishReason.ABORT, req.num_prompt_tokens,
+                           req.num_cached_tokens)
+
+    def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            return FinishReason.STOP
+        if req.num_output_tokens >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _drop_live(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        del self.reqs[req.rid]
+
+    def check_integrity(self) -> None:
+        live = self.running + self.prefilling
+        assert all(r.status is ReqStatus.RUNNING for r in live)
+        assert all(r.status is ReqStatus.WAITING and not r.slots for r in self.waiting)
+        self.mem.check_integrity(live)
