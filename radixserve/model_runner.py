@@ -25,7 +25,7 @@ from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import ModelSpec, read_model_spec
 from radixserve.model.weights import load_weights
 from radixserve.sampler import Sampler, SampleResult
-from radixserve.types import Batch, Phase, Req
+from radixserve.types import Batch, Req
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class ModelRunner:
         rows = [r.table_row for r in batch.reqs]
         shared: list[SharedPrefix] = []
         own_start = [0] * len(rows)
-        if batch.phase is Phase.DECODE:
+        if len(batch.reqs) > 1:
             for members, length in find_shared_prefixes(batch.reqs):
                 reqs = batch.reqs
                 shared.append(SharedPrefix(

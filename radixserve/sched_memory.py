@@ -80,7 +80,9 @@ class MemoryManager:
             req.cache_node, req.slots = match.node, list(match.slots)
             req.prefix_len = req.cached_len = match.cached_len
         n = min(req.extend_len, budget, chunk_cap or req.extend_len)
-        fits = self.available_tokens() - n >= (0 if force else reserve)
+        # The whole remaining prompt must fit, not only its first chunk, or chunked prompts
+        # admitted together can fill the pool and wait on each other forever.
+        fits = self.available_tokens() - req.extend_len >= (0 if force else reserve)
         if not fits or not self.ensure_slots(req, req.cached_len + n):
             self.release(req)
             return 0

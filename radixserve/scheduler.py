@@ -114,8 +114,10 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         for req in list(self.prefilling):  # continue chunked prompts first
+            if req not in self.prefilling:
+                continue  # retracted to make room for an earlier one
             n = min(req.extend_len, budget, chunk_cap or req.extend_len)
-            if n <= 0 or not self.mem.ensure_slots(req, req.cached_len + n):
+            if n <= 0 or not self._ensure_or_retract(req, req.cached_len + n, reqs):
                 break
             reqs.append(req)
             lens.append(n)
@@ -138,10 +140,10 @@ class Scheduler:
                 break
             cached = matches.get(req.rid, 0)
             if reqs and shares_uncached_prefix(req, cached, reqs):
-                req.extra["skips"] = req.extra.get("skips", 0) + 1
                 continue
-            reserve = self._decode_reserve() + self._future_tokens(req)
-            n = self.mem.admit(req, budget, chunk_cap, reserve, force=not (reqs or self.running))
+            reserve = self._reserved_tokens(reqs, lens) + self._future_tokens(req)
+            n = self.mem.admit(req, budget, chunk_cap, reserve,
+                               force=not (reqs or self.running or self.prefilling))
             if n == 0:
                 break
             if req.num_preemptions == 0 and not req.extra.get("counted"):
@@ -158,12 +160,19 @@ class Scheduler:
         for req in newly:
             self.waiting.remove(req)
             self.prefilling.append(req)
+        if newly:
+            for req in self.waiting:  # passed over this round: ages towards the guard
+                req.extra["skips"] = req.extra.get("skips", 0) + 1
 
     def _future_tokens(self, req: Req) -> int:
         return int(min(req.remain_tokens, 4096) * self.mem.new_token_ratio)
 
-    def _decode_reserve(self) -> int:
-        return sum(self._future_tokens(r) for r in self.running + self.prefilling)
+    def _reserved_tokens(self, batch: list[Req], lens: list[int]) -> int:
+        """Tokens promised to admitted requests: the rest of their prompts beyond this step's
+        chunk (already allocated) and an estimate of their future decode tokens."""
+        this_step = {id(r): n for r, n in zip(batch, lens, strict=True)}
+        live = self.running + self.prefilling + [r for r in batch if r not in self.prefilling]
+        return sum(r.extend_len - this_step.get(id(r), 0) + self._future_tokens(r) for r in live)
 
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
@@ -172,25 +181,34 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running:
                 continue  # retracted to make room for an earlier one
-            while not self.mem.ensure_slots(req, req.cached_len + 1):
-                victim = self._pick_victim(exclude=req)
-                if victim is None:
-                    raise RuntimeError("KV pool too small for a single request")  # sized at start
-                self._retract(victim)
+            if not self._ensure_or_retract(req, req.cached_len + 1, []):
+                raise RuntimeError("KV pool too small for a single request")  # sized at start
         reqs = list(self.running)
         self.mem.write_decode_entries(reqs)
         return Batch(Phase.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
 
-    def _pick_victim(self, exclude: Req) -> Req | None:
-        candidates = [r for r in self.running if r is not exclude]
+    def _ensure_or_retract(self, req: Req, upto: int, keep: list[Req]) -> bool:
+        """Slots for req up to `upto`, retracting other live requests (never those in `keep`)
+        when even eviction cannot make room. False if nothing is left to retract."""
+        while not self.mem.ensure_slots(req, upto):
+            victim = self._pick_victim(exclude=[req, *keep])
+            if victim is None:
+                return False
+            self._retract(victim)
+        return True
+
+    def _pick_victim(self, exclude: list[Req]) -> Req | None:
+        candidates = [r for r in self.running + self.prefilling
+                      if all(r is not e for e in exclude)]
         if not candidates:
             return None
-        # The request that loses least: fewest output tokens, then the longest prompt
-        # (most of which stays in the tree and is matched back on resumption).
-        return min(candidates, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
+        # The request that loses least: fewest output tokens, least prompt computed, then the
+        # longest prompt (most of which stays in the tree and is matched back on resumption).
+        return min(candidates, key=lambda r: (r.num_output_tokens, r.cached_len,
+                                              -r.num_prompt_tokens))
 
     def _retract(self, req: Req) -> None:
-        self.running.remove(req)
+        self._drop_live(req)
         self.mem.release(req)
         req.status = ReqStatus.WAITING
         req.num_preemptions += 1

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+import torch  # importing torch does not import triton
 
-from tests.tiny_models import make_tiny_model
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under its interpreter. The variable must be set
+    # before anything imports triton (transformers does, via tests.tiny_models).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

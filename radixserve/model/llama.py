@@ -21,6 +21,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as HF (normalize in fp32, cast back, then scale), so fp32
     # and bf16 results match the reference bit for bit where possible.
     dtype = x.dtype
+    if dtype != torch.float32:
+        # One fused kernel; rounding differs from HF's cast-then-scale only below bf16's
+        # precision. fp32 (the parity dtype) keeps HF's exact sequence of operations.
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
@@ -49,13 +53,15 @@ class LlamaModel:
     ) -> torch.Tensor:  # (N, vocab) float32
         spec = self.spec
         h = F.embedding(input_ids, self.w.embed)  # (T, hidden)
+        cos, sin = self.rotary.lookup(positions)  # (T, 1, head_dim) each, shared by layers
+        num_qk_heads = spec.num_heads + spec.num_kv_heads
         for i, lw in enumerate(self.w.layers):
             x = rms_norm(h, lw.input_norm, spec.rms_norm_eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (T, q_size + 2 * kv_size)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary.apply(q.view(-1, spec.num_heads, spec.head_dim), positions)
-            k = self.rotary.apply(k.view(-1, spec.num_kv_heads, spec.head_dim), positions)
-            v = v.view(-1, spec.num_kv_heads, spec.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, spec.head_dim)
+            qk = self.rotary.apply(qk, cos, sin)  # q and k heads rotated in one pass
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(-1, spec.num_kv_heads, spec.head_dim)
             attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale)
             h = h + F.linear(attn.reshape(-1, self.q_size), lw.o_proj)
             x = rms_norm(h, lw.post_norm, spec.rms_norm_eps)

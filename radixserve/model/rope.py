@@ -45,10 +45,11 @@ class RotaryTable:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.half = head_dim // 2
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (T, heads, head_dim); positions: (T,)."""
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the positions, shaped to broadcast over heads: (T, 1, head_dim)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, head_dim) -> rotated copy (rotate-half convention, as HF Llama)."""
         x1, x2 = x[..., : self.half], x[..., self.half :]
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -1,0 +1,44 @@
+"""Attention backend on the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
+
+Owns: mapping one layer's forward onto triton_kernels: store this forward's K/V, then paged
+decode (split-K) or extend attention. Does not know: the model, the scheduler, how slots are
+allocated. Reads only what AttentionMetadata carries; no host-device sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.attention.base import AttentionMetadata
+from radixserve.types import Phase
+from triton_kernels import decode_attention, extend_attention, store_kv
+
+
+class TritonAttentionBackend:
+    """`num_kv_splits` fixes decode's split-K factor; None picks one from the batch shape."""
+
+    def __init__(self, num_kv_splits: int | None = None) -> None:
+        if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
+            raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")
+        self.num_kv_splits = num_kv_splits
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k: torch.Tensor,  # (T, Hkv, D)
+        v: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (num_slots, Hkv, D), written in place
+        v_cache: torch.Tensor,  # (num_slots, Hkv, D), written in place
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        store_kv(k_cache, v_cache, k, v, meta.out_slots)
+        if meta.phase is Phase.DECODE:
+            return decode_attention(
+                q, k_cache, v_cache, meta.slot_table, meta.rows, meta.seq_lens, scale,
+                num_splits=self.num_kv_splits,
+            )
+        return extend_attention(
+            q, k_cache, v_cache, meta.slot_table, meta.rows, meta.prefix_lens,
+            meta.extend_lens, meta.cu_extend, meta.max_extend_len, scale,
+        )

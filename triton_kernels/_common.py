@@ -1,0 +1,89 @@
+"""Checks and launch parameters shared by the kernel wrappers.
+
+Owns: the argument checks every wrapper runs (shapes, strides, dtypes, devices) and the
+compile-time flags derived from the inputs. Does not know: any kernel's algorithm.
+
+NOTE (interpreter): Triton's CPU interpreter (TRITON_INTERPRET=1) computes `tl.dot` on bf16 and
+fp16 operands as an integer matmul of their raw bits (seen with triton 3.9), so on CPU tensors
+the kernels upcast dot operands to fp32 first. That is exact: a product of two bf16 values fits
+in fp32, and the GPU path accumulates in fp32 as well.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class KernelDeviceError(RuntimeError):
+    """The kernels were compiled for a GPU but got tensors on another device."""
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether `kernel` was decorated while TRITON_INTERPRET=1 (so it runs on CPU tensors)."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_launchable(kernel: object, device: torch.device) -> None:
+    if device.type == "cuda" or is_interpreted(kernel):
+        return
+    raise KernelDeviceError(
+        f"Triton kernels need CUDA tensors, got {device}; to run them on CPU set "
+        "TRITON_INTERPRET=1 before triton is first imported"
+    )
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The pool layout: two contiguous (num_slots, kv_heads, head_dim) tensors alike."""
+    assert k_cache.dim() == 3, f"k_cache must be (num_slots, kv_heads, head_dim), got {k_cache.shape}"
+    assert k_cache.shape == v_cache.shape, f"{k_cache.shape} != {v_cache.shape}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES, (
+        f"unsupported KV dtypes {k_cache.dtype}, {v_cache.dtype}"
+    )
+    assert k_cache.device == v_cache.device
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+
+
+def check_heads_last_contiguous(name: str, x: torch.Tensor, heads: int, head_dim: int) -> None:
+    """(tokens, heads, head_dim) with any token stride (a view into a fused qkv is fine)."""
+    assert x.dim() == 3 and x.shape[1:] == (heads, head_dim), (
+        f"{name} must be (tokens, {heads}, {head_dim}), got {tuple(x.shape)}"
+    )
+    assert x.stride(2) == 1, f"{name} must be contiguous in head_dim, strides {x.stride()}"
+
+
+def check_index(name: str, x: torch.Tensor, length: int, device: torch.device) -> None:
+    assert x.dim() == 1 and x.shape[0] == length, f"{name} must be ({length},), got {x.shape}"
+    assert x.dtype in (torch.int32, torch.int64), f"{name} must be an integer tensor"
+    assert x.device == device, f"{name} is on {x.device}, expected {device}"
+    assert x.stride(0) == 1, f"{name} must be contiguous"
+
+
+def check_slot_table(slot_table: torch.Tensor, device: torch.device) -> None:
+    assert slot_table.dim() == 2, f"slot_table must be (max_reqs, max_model_len), got {slot_table.shape}"
+    assert slot_table.dtype in (torch.int32, torch.int64), "slot_table must be an integer tensor"
+    assert slot_table.device == device, f"slot_table is on {slot_table.device}, expected {device}"
+    assert slot_table.stride(1) == 1, "slot_table rows must be contiguous"
+
+
+def check_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    assert tuple(out.shape) == shape, f"out must be {shape}, got {tuple(out.shape)}"
+    assert out.dtype == like.dtype and out.device == like.device
+    assert out.stride(2) == 1, "out must be contiguous in head_dim"
+
+
+def dot_flags(device: torch.device, dtype: torch.dtype) -> tuple[str, bool]:
+    """(input_precision for tl.dot, whether to upcast dot operands to fp32).
+
+    fp32 inputs use "ieee": the default "tf32" keeps only 10 mantissa bits (~1e-3 error).
+    """
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return precision, device.type == "cpu"
+
+
+def block_d(head_dim: int) -> int:
+    assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported by tl.dot"
+    return int(triton.next_power_of_2(head_dim))

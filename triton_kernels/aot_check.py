@@ -1,0 +1,146 @@
+"""Compile every kernel ahead of time for NVIDIA GPUs, on a machine that has none.
+
+Owns: the kernels' launch signatures for an offline compile (Triton frontend, lowering, and
+ptxas to a cubin) at the wrappers' own block sizes, and a register/spill report. The CPU
+interpreter accepts code the compiler rejects (dot shape minimums, type rules, constexpr
+misuse), so CPU-only CI runs this too (tests/test_triton_kernels.py, in a subprocess).
+Does not know: what the kernels compute.
+
+    python -m triton_kernels.aot_check --arch 90 80 [--spills]
+
+Must run with TRITON_INTERPRET unset: the compiler needs @triton.jit functions, not the
+interpreter's stand-ins. Uses triton internals (ASTSource, GPUTarget, get_ptxas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any, NamedTuple
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from triton_kernels.decode_attention import (
+    _decode_merge_kernel,
+    _decode_split_kernel,
+    decode_config,
+)
+from triton_kernels.extend_attention import _extend_kernel, extend_config
+from triton_kernels.store_kv import _store_kv_kernel
+
+CUDA = torch.device("cuda")  # only its type is read: picks the GPU launch configs
+PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+
+
+class Case(NamedTuple):
+    dtype: torch.dtype
+    head_dim: int
+    kv_heads: int
+    group: int
+
+
+class Launch(NamedTuple):
+    kernel: Any  # a triton JITFunction
+    types: dict[str, str]  # non-constexpr parameter -> Triton type
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+
+CASES = (Case(torch.bfloat16, 128, 8, 4), Case(torch.bfloat16, 64, 3, 3),
+         Case(torch.float16, 64, 2, 8), Case(torch.float32, 128, 2, 3),
+         Case(torch.float32, 16, 2, 2))
+
+
+def launches(c: Case) -> list[Launch]:
+    t, g_pad, bd = PTR[c.dtype], triton.next_power_of_2(c.group), max(16, c.head_dim)
+    prec = "ieee" if c.dtype == torch.float32 else "tf32"
+    dec, ext = decode_config(CUDA, c.dtype), extend_config(CUDA, c.dtype)
+    block_r = max(ext.block_r, g_pad)
+    attn = {"q": t, "k_cache": t, "v_cache": t, "slot_table": "*i32", "rows": "*i64",
+            "qk_scale": "fp32"}
+    return [
+        Launch(_store_kv_kernel,
+               {"k_cache": t, "v_cache": t, "k": t, "v": t, "slots": "*i64", "stride_kt": "i32",
+                "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
+               {"NUM_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
+                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd}, 4, 3),
+        Launch(_decode_split_kernel,
+               {**attn, "seq_lens": "*i32", "mid_o": "*fp32", "mid_lse": "*fp32",
+                "stride_qb": "i32", "stride_qh": "i32", "stride_table": "i32"},
+               {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "HEAD_DIM": c.head_dim,
+                "NUM_SPLITS": 4, "BLOCK_G": max(16, g_pad), "BLOCK_D": bd,
+                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False},
+               dec.num_warps, 2),
+        Launch(_decode_merge_kernel,
+               {"mid_o": "*fp32", "mid_lse": "*fp32", "seq_lens": "*i32", "out": t,
+                "stride_ob": "i32", "stride_oh": "i32"},
+               {"NUM_Q_HEADS": c.kv_heads * c.group, "HEAD_DIM": c.head_dim, "NUM_SPLITS": 4,
+                "BLOCK_S": 4, "BLOCK_D": bd, "BLOCK_N": dec.block_n}, 4, 2),
+        Launch(_extend_kernel,
+               {**attn, "prefix_lens": "*i32", "extend_lens": "*i32", "cu_extend": "*i32",
+                "out": t, "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
+                "stride_oh": "i32", "stride_table": "i32"},
+               {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "G_PAD": g_pad,
+                "HEAD_DIM": c.head_dim, "BLOCK_R": block_r, "BLOCK_D": bd,
+                "BLOCK_M": block_r // g_pad, "BLOCK_N": ext.block_n, "DOT_PRECISION": prec,
+                "UPCAST": False}, ext.num_warps, ext.num_stages),
+    ]
+
+
+def compile_one(launch: Launch, arch: int) -> Any:
+    names = launch.kernel.arg_names
+    signature = {n: "constexpr" if n in launch.constexprs else launch.types[n] for n in names}
+    src = ASTSource(launch.kernel, signature, constexprs=launch.constexprs)
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def register_report(ptx: str, arch: int) -> str:
+    """ptxas -v on the kernel's PTX: registers per thread and spill stores."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        suffix = "a" if arch >= 90 else ""
+        log = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", src,
+                              "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return f"regs={regs.group(1) if regs else '?'} spill_bytes={spills.group(1) if spills else '?'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="compile every kernel for NVIDIA targets")
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="e.g. 90 (H100) 80")
+    parser.add_argument("--spills", action="store_true", help="report registers and spills")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the compiler needs compiled kernels", file=sys.stderr)
+        return 2
+    for arch in args.arch:
+        for case in CASES:
+            for launch in launches(case):
+                compiled = compile_one(launch, arch)
+                line = (f"sm_{arch} {launch.kernel.__name__:<22} "
+                        f"{str(case.dtype).removeprefix('torch.'):<9} d={case.head_dim:<4} "
+                        f"group={case.group} warps={launch.num_warps} "
+                        f"shared={compiled.metadata.shared}")
+                if args.spills:
+                    line += " " + register_report(compiled.asm["ptx"], arch)
+                print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

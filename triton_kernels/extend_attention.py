@@ -1,0 +1,179 @@
+"""Paged extend (prefill) attention: a ragged batch of new tokens over a cached prefix.
+
+Owns: the extend kernel and its wrapper. Does not know: pages or the radix tree; a request's
+KV (its cached prefix and its new tokens, already stored) is at slot_table[row, 0 : seq_len].
+
+Layout of one program (grid: query blocks x requests x KV heads): its rows are BLOCK_M new
+tokens x the GROUP query heads of one KV head, row r = token r // G_PAD, head r % G_PAD, so
+each KV tile is read once per GQA group. New token j of request b sits at absolute position
+p = prefix_len + j and attends to KV positions 0..p; the program streams KV blocks from 0 to
+the last position any of its tokens needs, with one online softmax (base 2, fp32) over the
+cached prefix and the causal part alike.
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (triton is untyped, and @triton.jit kernel parameters carry no Python types.)
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels._common import (
+    block_d,
+    check_heads_last_contiguous,
+    check_index,
+    check_kv_cache,
+    check_launchable,
+    check_out,
+    check_slot_table,
+    dot_flags,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
+    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # BLOCK_R == BLOCK_M * G_PAD
+    m_start = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    ext_len = tl.load(extend_lens + b).to(tl.int32)
+    prefix = tl.load(prefix_lens + b).to(tl.int32)
+    q_start = tl.load(cu_extend + b).to(tl.int64)
+    row = tl.load(rows + b).to(tl.int64)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    tok = m_start + offs_r // G_PAD  # (R,) index among this request's new tokens
+    g = offs_r % G_PAD
+    mask_r = (tok < ext_len) & (g < GROUP)
+    heads = kvh * GROUP + g  # (R,)
+    io_mask = mask_r[:, None] & mask_d[None, :]
+    q_ptrs = q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=io_mask, other=0.0)  # (R, D)
+    if UPCAST:
+        q_tile = q_tile.to(tl.float32)
+    q_pos = prefix + tok  # (R,) absolute positions; rows past ext_len are masked at the store
+
+    # Blocks past this request's new tokens (a shorter request in the batch) loop zero times.
+    last_tok = tl.minimum(m_start + BLOCK_M, ext_len)
+    kv_end = tl.where(m_start < ext_len, prefix + last_tok, 0)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    table_row = slot_table + row * stride_table
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < kv_end
+        slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)  # (N,)
+        kv_offs = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_tile = tl.load(k_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
+        v_tile = tl.load(v_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
+        if UPCAST:
+            k_tile = k_tile.to(tl.float32)
+            v_tile = v_tile.to(tl.float32)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # (R, N)
+        # Column 0 is visible to every row, so m_i is finite after the first block.
+        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # (R, N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_lo = p.to(v_cache.dtype.element_ty)
+        if UPCAST:
+            p_lo = p_lo.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v_tile, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (R, D)
+    out_ptrs = (out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh
+                + offs_d[None, :])
+    tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=io_mask)
+
+
+class ExtendConfig(NamedTuple):
+    block_r: int  # rows (tokens x group heads) per program
+    block_n: int  # KV positions per inner step
+    num_warps: int
+    num_stages: int
+
+
+def extend_config(device: torch.device, dtype: torch.dtype) -> ExtendConfig:
+    if device.type != "cuda":
+        return ExtendConfig(64, 64, 4, 1)  # the interpreter: fewer, larger steps
+    # Picked so that ptxas reports no register spills for sm_90 at head_dim 128.
+    if dtype == torch.float32:
+        return ExtendConfig(32, 32, 4, 2)  # fp32 "ieee" dots run on FMA units, in registers
+    return ExtendConfig(128, 64, 8, 3)
+
+
+def extend_attention(
+    q: torch.Tensor,  # (T, q_heads, head_dim), T = sum(extend_lens)
+    k_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
+    slot_table: torch.Tensor,  # (max_reqs, max_model_len) int32
+    rows: torch.Tensor,  # (B,) table row of each request
+    prefix_lens: torch.Tensor,  # (B,) tokens with KV before this forward
+    extend_lens: torch.Tensor,  # (B,) new tokens, each >= 1
+    cu_extend: torch.Tensor,  # (B + 1,) offsets of each request's tokens in q
+    max_extend_len: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # (T, q_heads, head_dim)
+) -> torch.Tensor:  # (T, q_heads, head_dim)
+    """Causal attention of each request's new tokens over slot_table[row, 0 : prefix + j + 1].
+
+    The new tokens' K/V must already be stored at their slots. `max_extend_len` (a host int,
+    no device sync) must be >= every extend_lens[b]; it only sizes the grid.
+    """
+    check_kv_cache(k_cache, v_cache)
+    _, num_kv_heads, head_dim = k_cache.shape
+    num_tokens, num_q_heads = q.shape[0], q.shape[1]
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
+    check_heads_last_contiguous("q", q, num_q_heads, head_dim)
+    assert q.dtype == k_cache.dtype and q.device == k_cache.device
+    batch = rows.shape[0]
+    check_slot_table(slot_table, q.device)
+    check_index("rows", rows, batch, q.device)
+    check_index("prefix_lens", prefix_lens, batch, q.device)
+    check_index("extend_lens", extend_lens, batch, q.device)
+    check_index("cu_extend", cu_extend, batch + 1, q.device)
+    assert 0 <= max_extend_len <= max(num_tokens, 0), f"max_extend_len {max_extend_len}"
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    check_out(out, (num_tokens, num_q_heads, head_dim), q)
+    if batch == 0 or num_tokens == 0:
+        return out
+    check_launchable(_extend_kernel, q.device)
+    group = num_q_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    cfg = extend_config(q.device, q.dtype)
+    block_r = max(cfg.block_r, g_pad)
+    precision, upcast = dot_flags(q.device, q.dtype)
+    grid = (triton.cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        slot_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
+        BLOCK_R=block_r, BLOCK_D=block_d(head_dim), BLOCK_M=block_r // g_pad,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,79 @@
+"""Plain-torch versions of every kernel, with the same signatures and semantics.
+
+Owns: the ground truth the kernel tests and bench compare against (and a slow fallback).
+Computes in fp32 whatever the input dtype, loops over requests on the host; clarity over speed.
+Does not know: Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    k_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
+    k: torch.Tensor,  # (T, kv_heads, head_dim)
+    v: torch.Tensor,  # (T, kv_heads, head_dim)
+    slots: torch.Tensor,  # (T,)
+) -> None:
+    k_cache[slots.long()] = k.to(k_cache.dtype)
+    v_cache[slots.long()] = v.to(v_cache.dtype)
+
+
+def attend_ref(
+    q: torch.Tensor,  # (n, q_heads, head_dim)
+    keys: torch.Tensor,  # (L, kv_heads, head_dim)
+    values: torch.Tensor,  # (L, kv_heads, head_dim)
+    visible: torch.Tensor,  # (n, L) bool: which keys each query sees
+    scale: float,
+) -> torch.Tensor:  # (n, q_heads, head_dim) fp32
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)  # (L, q_heads, D)
+    values = values.float().repeat_interleave(group, dim=1)  # (L, q_heads, D)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale  # (q_heads, n, L)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # (B, q_heads, head_dim)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,  # (max_reqs, max_model_len)
+    rows: torch.Tensor,  # (B,)
+    seq_lens: torch.Tensor,  # (B,)
+    scale: float,
+) -> torch.Tensor:  # (B, q_heads, head_dim)
+    out = torch.empty_like(q)
+    for b, (row, seq_len) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
+        slots = slot_table[row, :seq_len].long()
+        visible = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
+        out[b] = attend_ref(q[b : b + 1], k_cache[slots], v_cache[slots], visible, scale)[0]
+    return out
+
+
+def extend_attention_ref(
+    q: torch.Tensor,  # (T, q_heads, head_dim)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    rows: torch.Tensor,  # (B,)
+    prefix_lens: torch.Tensor,  # (B,)
+    extend_lens: torch.Tensor,  # (B,)
+    cu_extend: torch.Tensor,  # (B + 1,)
+    scale: float,
+) -> torch.Tensor:  # (T, q_heads, head_dim)
+    out = torch.empty_like(q)
+    starts = cu_extend.tolist()
+    triples = zip(rows.tolist(), prefix_lens.tolist(), extend_lens.tolist(), strict=True)
+    for b, (row, prefix, n) in enumerate(triples):
+        slots = slot_table[row, : prefix + n].long()
+        q_pos = torch.arange(prefix, prefix + n, device=q.device)
+        k_pos = torch.arange(prefix + n, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # (n, prefix + n)
+        qb = q[starts[b] : starts[b] + n]
+        out[starts[b] : starts[b] + n] = attend_ref(
+            qb, k_cache[slots], v_cache[slots], visible, scale
+        )
+    return out
