@@ -89,13 +89,12 @@ class InsertResult(NamedTuple):
 class RadixCache:
     """Longest-prefix match, insert, lock/unlock and LRU eviction over int token ids.
 
-    Ownership contract of insert (aligned_len = len(token_ids) rounded down to whole pages):
+    Who owns slots[i] after insert (aligned_len = len(token_ids) in whole pages):
 
-        token_ids: [ already cached ........ | new ........... | partial page ]
-                   0          num_already_cached        aligned_len        len
-        slots:       caller's copies: freed    tree takes them   caller keeps/frees
-                     by the caller unless
-                     they came from the tree
+        [0, num_already_cached)            the tree had these tokens: the caller frees its
+                                           duplicates (not the slots it got from a match)
+        [num_already_cached, aligned_len)  the tree, from now on
+        [aligned_len, len)                 the caller (a partial page)
 
     Disabled: match finds nothing, insert takes nothing and reports every whole page as
     already cached, so a caller following the contract frees all of its slots.
@@ -150,9 +149,7 @@ class RadixCache:
         node, cached_len = self._walk(root, query, self._tick())
         return MatchResult(node, cached_len, self._path_concat(node, values=True).tolist())
 
-    def insert(
-        self, token_ids: IntSeq, slots: IntSeq, salt: str = ""
-    ) -> InsertResult:
+    def insert(self, token_ids: IntSeq, slots: IntSeq, salt: str = "") -> InsertResult:
         """Cache token_ids[:aligned_len] with their slots; see the class docstring for ownership."""
         if len(token_ids) != len(slots):
             raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")

@@ -1,0 +1,102 @@
+"""Command line: `radixserve serve --model M ...` (also `python -m radixserve serve ...`).
+
+Owns: the flags (named as vLLM / SGLang users expect), reading RADIXSERVE_API_KEY, and building
+the frozen configs once. Does not know: HTTP or the engine (server.app.run_server does).
+Defaults live in config.py only: a flag left unset is simply not passed to the dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    SCHEDULE_POLICIES,
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+)
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+
+# (flag, type, config field, help); every one optional, default from config.py.
+_ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
+    ("--dtype", str, "dtype", f"weights/activations dtype: {', '.join(DTYPES)}"),
+    ("--device", str, "device", "auto | cpu | cuda"),
+    ("--max-model-len", int, "max_model_len", "context length (default: the model's)"),
+    ("--kv-cache-tokens", int, "kv_cache_tokens", "KV pool size in tokens (default: from memory)"),
+    ("--page-size", int, "page_size", "tokens per KV page"),
+    ("--chunked-prefill-size", int, "chunked_prefill_size", "prefill chunk in tokens; 0: off"),
+    ("--max-prefill-tokens", int, "max_prefill_tokens", "token budget of one prefill batch"),
+    ("--max-running-requests", int, "max_running_requests", "running batch size cap"),
+    ("--schedule-policy", str, "schedule_policy", f"{' | '.join(SCHEDULE_POLICIES)}"),
+    ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
+    ("--seed", int, "seed", "engine random seed"),
+    ("--num-threads", int, "num_threads", "torch CPU threads"),
+]
+_SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
+    ("--host", str, "host", "bind address"),
+    ("--port", int, "port", "bind port"),
+    ("--served-model-name", str, "served_model_name", "model name in the API (default: its own)"),
+    ("--max-tokens-cap", int, "max_tokens_cap", "reject max_tokens above this; cap unset ones"),
+    ("--max-input-tokens", int, "max_input_tokens", "reject longer prompts"),
+    ("--max-concurrent-per-key", int, "max_concurrent_per_key", "429 past this per API key"),
+    ("--max-queue", int, "max_queue", "429 (Retry-After) past this many queued requests"),
+    ("--log-stats-interval", float, "log_stats_interval", "seconds between stats log lines"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="Prefix-sharing LLM server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    serve.add_argument("--model", default=None,
+                       help="HF folder, .gguf file, or smollm2-135m (the default)")
+    for flag, typ, field, text in _ENGINE_FLAGS + _SERVER_FLAGS:
+        serve.add_argument(flag, type=typ, default=None, dest=field, help=text)
+    serve.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                       help=f"accepted Bearer key (repeatable; also ${API_KEY_ENV})")
+    serve.add_argument("--disable-radix-cache", action="store_true", default=None,
+                       help="no prefix caching")
+    serve.add_argument("--enable-kv-events", action="store_true", default=None,
+                       help="publish cache block events on GET /kv_events")
+    serve.add_argument("--shared-cache", action="store_true", default=None,
+                       help="one prefix-cache namespace for all API keys (default: per key)")
+    serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # tests, bench
+    return parser
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:
+    """Raises ConfigError for invalid settings."""
+    def given(names: list[str]) -> dict[str, Any]:
+        return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+    engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + ["disable_radix_cache", "enable_kv_events"]
+    engine_kwargs = given(engine_names)
+    if args.model is not None:
+        engine_kwargs["model"] = args.model
+    keys = list(args.api_keys or [])
+    if environ.get(API_KEY_ENV):
+        keys.append(environ[API_KEY_ENV])
+    server_kwargs = given([f for _, _, f, _ in _SERVER_FLAGS] + ["shared_cache"])
+    return ServerConfig(api_keys=tuple(dict.fromkeys(keys)), engine=EngineConfig(**engine_kwargs),
+                        **server_kwargs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = build_config(args, dict(os.environ))
+    except ConfigError as err:
+        print(f"radixserve: error: {err}", file=sys.stderr)
+        return 2
+    from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY
+    from radixserve.server.app import run_server
+
+    return run_server(cfg, args.engine_factory or DEFAULT_ENGINE_FACTORY)

@@ -1,0 +1,170 @@
+"""The engine's own process: receive messages, step the engine, send token batches back.
+
+Owns: EngineLoop (message handling and one loop iteration around an engine object) and
+run_engine_process (the process entry point). Does not know: HTTP, tokenizers, asyncio.
+
+Loop shape: drain the inbox (without blocking while the engine has work, blocking up to the
+stats interval while idle, so an idle engine costs nothing), run one `step()`, send one
+TokenBatchMsg with every output of that step, then cache events and (periodically, and when the
+engine goes idle) an EngineStatsMsg. A per-request InvalidRequestError becomes
+EngineErrorMsg(rid); anything else is fatal: EngineErrorMsg(None), then the process exits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Protocol, Union
+
+from radixserve.config import EngineConfig
+from radixserve.messages import (
+    AbortMsg,
+    CacheEventsMsg,
+    EngineErrorMsg,
+    EngineReadyMsg,
+    EngineStatsMsg,
+    FlushCacheMsg,
+    GenerateMsg,
+    ShutdownMsg,
+    TokenBatchMsg,
+)
+from radixserve.types import InvalidRequestError, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+DEFAULT_ENGINE_FACTORY = "radixserve.engine:Engine"
+
+
+@dataclass(frozen=True)
+class FlushCacheResultMsg:
+    """Reply to FlushCacheMsg. NOTE: proposed for radixserve/messages.py (lead's file)."""
+
+    flushed: bool
+
+
+class EngineLike(Protocol):
+    """The Engine contract this loop drives (radixserve.engine.Engine and test fakes)."""
+
+    info: dict[str, Any]
+
+    def add_request(self, msg: GenerateMsg) -> None: ...
+    def abort(self, rid: str) -> None: ...
+    def step(self) -> list[TokenOutput]: ...
+    def has_work(self) -> bool: ...
+    def flush_cache(self) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+    def drain_cache_events(self) -> list[Any]: ...
+
+
+# A "module:attr" path (resolved in the engine process, so the API process never imports the
+# engine's heavy dependencies) or a picklable callable such as a functools.partial.
+EngineFactory = Union[str, Callable[[EngineConfig], EngineLike]]
+
+
+def resolve_factory(factory: EngineFactory) -> Callable[[EngineConfig], EngineLike]:
+    if not isinstance(factory, str):
+        return factory
+    module_name, _, attr = factory.partition(":")
+    factory_fn: Callable[[EngineConfig], EngineLike] = getattr(
+        importlib.import_module(module_name), attr
+    )
+    return factory_fn
+
+
+class EngineLoop:
+    """One engine plus the bookkeeping of what to send back; shared by the process and tests."""
+
+    def __init__(self, engine: EngineLike, send: Callable[[Any], None],
+                 stats_interval: float = STATS_INTERVAL_S) -> None:
+        self.engine = engine
+        self._send = send
+        self._stats_interval = stats_interval
+        self._last_stats: dict[str, Any] | None = None
+        self._last_stats_time = 0.0
+
+    def handle(self, msg: Any) -> bool:
+        """Apply one incoming message. Returns False on ShutdownMsg."""
+        if isinstance(msg, GenerateMsg):
+            try:
+                self.engine.add_request(msg)
+            except InvalidRequestError as err:
+                self._send(EngineErrorMsg(str(err), rid=msg.rid, status=err.status))
+        elif isinstance(msg, AbortMsg):
+            self.engine.abort(msg.rid)
+        elif isinstance(msg, FlushCacheMsg):
+            self._send(FlushCacheResultMsg(self.engine.flush_cache()))
+            self.send_stats(force=True)
+        elif isinstance(msg, ShutdownMsg):
+            return False
+        else:
+            raise TypeError(f"unexpected message {type(msg).__name__}")
+        return True
+
+    def step(self) -> None:
+        outputs = self.engine.step()
+        if outputs:
+            self._send(TokenBatchMsg(outputs))
+        events = self.engine.drain_cache_events()
+        if events:
+            self._send(CacheEventsMsg(events))
+
+    def send_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats_time < self._stats_interval:
+            return
+        stats = self.engine.stats()
+        self._last_stats_time = now
+        if force or stats != self._last_stats:
+            self._last_stats = stats
+            self._send(EngineStatsMsg(stats))
+
+    def run(self, inbox: Connection) -> None:
+        """Serve until ShutdownMsg or the API process goes away (EOF on the inbox)."""
+        was_busy = False
+        while True:
+            timeout = 0.0 if self.engine.has_work() else self._stats_interval
+            try:
+                while inbox.poll(timeout):
+                    if not self.handle(inbox.recv()):
+                        return
+                    timeout = 0.0
+            except (EOFError, OSError):
+                return
+            busy = self.engine.has_work()
+            if busy:
+                self.step()
+            # Going idle: publish at once, so /metrics shows the freed pages without a lag.
+            self.send_stats(force=was_busy and not self.engine.has_work())
+            was_busy = busy
+
+
+def run_engine_process(cfg: EngineConfig, factory: EngineFactory, inbox: Connection,
+                       outbox: Connection) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    # Ctrl-C reaches the whole process group; the API process owns the shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    try:
+        engine = resolve_factory(factory)(cfg)
+    except Exception as err:  # noqa: BLE001 - any start-up failure is reported, not raised
+        logger.exception("engine start failed")
+        outbox.send(EngineErrorMsg(f"engine failed to start: {type(err).__name__}: {err}"))
+        return
+    outbox.send(EngineReadyMsg(dict(engine.info)))
+    loop = EngineLoop(engine, outbox.send)
+    try:
+        loop.run(inbox)
+    except Exception as err:  # noqa: BLE001 - fatal: tell the API process, then exit
+        traceback.print_exc()
+        try:
+            outbox.send(EngineErrorMsg(f"engine failed: {type(err).__name__}: {err}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from err

@@ -1,0 +1,145 @@
+"""The aiohttp application: create_app(cfg, client) and run_server(cfg).
+
+Owns: middlewares (errors -> OpenAI JSON, never a stack trace; Bearer auth on every route but
+/health, /metrics and /version), route registration, the engine's life inside the app
+(cleanup_ctx: start in the background so /health answers 503 while loading; stop on exit),
+the /kv_events wiring, and the process-level serve loop with signal handling.
+Does not know: request formats (routes_*.py) or the engine's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from radixserve.config import ServerConfig
+from radixserve.engine_client import EngineClient
+from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY, EngineFactory
+from radixserve.kv_events import KVEventPublisher
+from radixserve.server.errors import APIError, error_response, to_api_error
+from radixserve.server.kv_events_route import setup_kv_events
+from radixserve.server.routes_native import add_native_routes
+from radixserve.server.routes_openai import add_openai_routes
+from radixserve.server.state import API_KEY_FIELD, STATE_KEY, ServerState
+from radixserve.server.stats_log import StatsLogger, log_capacity
+
+logger = logging.getLogger("radixserve.server")
+
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+LOAD_TASK_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("radixserve_load_task", asyncio.Task)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes `{"error": {...}}`; a bug is logged and answered with a 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, ...
+        if exc.status < 400:
+            raise
+        return error_response(APIError(exc.status, exc.reason))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client went away: nobody to answer
+    except Exception as exc:
+        api_err = to_api_error(exc)
+        if api_err is None:
+            logger.exception("internal error on %s %s", request.method, request.path)
+            api_err = APIError(500, f"internal server error ({type(exc).__name__})")
+        return error_response(api_err)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path not in PUBLIC_PATHS:
+        request[API_KEY_FIELD] = request.app[STATE_KEY].auth.authenticate(
+            request.headers.get("Authorization"))
+    return await handler(request)
+
+
+async def _load(state: ServerState) -> None:
+    await state.load()
+    log_capacity(state.client.info)
+    logger.info("model %r ready (max_model_len %d)", state.model_name, state.max_model_len)
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE_KEY]
+    load_task = asyncio.create_task(_load(state))
+    app[LOAD_TASK_KEY] = load_task
+    stats_task = asyncio.create_task(
+        StatsLogger(lambda: state.client.stats, state.cfg.log_stats_interval).run())
+    yield
+    for task in (load_task, stats_task):
+        task.cancel()
+    await asyncio.gather(load_task, stats_task, return_exceptions=True)
+    await state.client.shutdown()
+
+
+async def _kv_events_disabled(request: web.Request) -> web.Response:
+    raise APIError(404, "KV events are off; start the server with --enable-kv-events",
+                   code="kv_events_disabled")
+
+
+def create_app(cfg: ServerConfig, client: EngineClient, *,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+    """The app for one engine. The client is started by the app (cleanup_ctx) and stopped
+    with it; until it is ready, /health answers 503 and generation routes 503."""
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[error_middleware, auth_middleware])
+    state = ServerState(cfg, client)
+    app[STATE_KEY] = state
+    add_openai_routes(app)
+    add_native_routes(app)
+    if cfg.engine.enable_kv_events:
+        publisher = KVEventPublisher()
+        client.cache_event_sinks.append(publisher.publish)
+        setup_kv_events(app, publisher)
+    else:
+        app.router.add_get("/kv_events", _kv_events_disabled)
+    app.cleanup_ctx.append(_engine_ctx)
+    return app
+
+
+async def serve(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> int:
+    """Run until SIGINT/SIGTERM (0) or until the engine fails to start (1)."""
+    app = create_app(cfg, EngineClient.spawn(cfg.engine, factory))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        logger.info("serving on %s (model loading in the background)", ", ".join(
+            f"http://{host}:{port}" for host, port, *_ in runner.addresses))
+        load_task = app[LOAD_TASK_KEY]
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait([load_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        if load_task.done() and not load_task.cancelled() and load_task.exception() is not None:
+            logger.error("start-up failed: %s", load_task.exception())
+            code = 1
+        else:
+            await stop_task
+        stop_task.cancel()
+    finally:
+        logger.info("shutting down")
+        await runner.cleanup()
+    return code
+
+
+def run_server(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(serve(cfg, factory))
+    return 130

@@ -1,0 +1,87 @@
+"""Prometheus metrics for one server (a per-app registry, never the global one).
+
+Owns: the metric names (vLLM's, with the `radixserve:` prefix), the request-level histograms
+and counters observed by the API process, and a collector that renders the engine's latest
+stats snapshot at scrape time. Does not know: HTTP routing, the engine's internals.
+
+KV gauges are exported separately on purpose: "usage fell to 0%" must not be read as "the cache
+was freed", so free, cached (in the radix tree, mostly evictable) and held (by running requests)
+tokens each get their own gauge, and kv_cache_usage_perc counts held tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "radixserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache.",
+    "num_preemptions": "Requests preempted (retracted) under KV pressure.",
+    "prompt_tokens": "Prompt tokens admitted.",
+    "generation_tokens": "Tokens generated.",
+}
+_ENGINE_GAUGES = {
+    "num_requests_running": ("num_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_free_tokens": ("kv_free_tokens", "KV slots on the free list."),
+    "kv_cache_cached_tokens": ("kv_cached_tokens", "KV slots owned by the radix tree."),
+    "kv_cache_evictable_tokens": ("kv_evictable_tokens",
+                                  "Cached KV slots not locked by a request."),
+    "kv_cache_held_tokens": ("kv_held_tokens", "KV slots held by running requests only."),
+    "kv_cache_total_tokens": ("kv_total_tokens", "KV slots in the pool."),
+}
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, doc in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(name, 0)))
+        for name, (key, doc) in _ENGINE_GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats[key]))
+        total = stats.get("kv_total_tokens") or 0
+        usage = stats.get("kv_held_tokens", 0) / total if total else 0.0
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
+                                "Fraction of KV slots held by running requests (0..1).",
+                                value=usage)
+
+
+class ServerMetrics:
+    """Everything /metrics renders. `stats` returns the engine's latest snapshot."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to the first token.",
+            buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens.",
+            buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish.",
+            buckets=_E2E_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineStatsCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,58 @@
+"""Server-Sent Events responses: `data: {json}\\n\\n` per event, `data: [DONE]` last.
+
+Owns: when headers go out (only after the first event, so a request the engine rejects still
+gets a real 4xx status), and how an error after that point is reported (an error event, then
+[DONE]: the status line is already sent). Does not know: what the events contain.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from radixserve.server.errors import APIError, to_api_error
+
+logger = logging.getLogger("radixserve.server")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def write_sse(request: web.Request,
+                    events: AsyncGenerator[Any, None]) -> web.StreamResponse:
+    """Stream `events`; an exception before the first one propagates (the error middleware
+    turns it into a JSON error response). Closing the events on exit aborts the engine work."""
+    async with aclosing(events) as stream:
+        iterator = stream.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            first = None
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        try:
+            if first is not None:
+                await resp.write(sse_event(first))
+            async for event in iterator:
+                await resp.write(sse_event(event))
+        except ConnectionResetError:
+            raise  # the client is gone; leaving `aclosing` aborts the engine work
+        except Exception as exc:
+            api_err = to_api_error(exc)
+            if api_err is None:  # a bug: the status line is out, so report it in-band
+                logger.exception("internal error while streaming %s", request.path)
+                api_err = APIError(500, f"internal server error ({type(exc).__name__})")
+            await resp.write(sse_event(api_err.body))
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp

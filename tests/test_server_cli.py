@@ -1,0 +1,59 @@
+"""`radixserve serve` flags -> frozen configs; bad settings -> a clean message, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cli import build_config, build_parser, main
+from radixserve.config import EngineConfig, ServerConfig
+
+
+def config(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
+    return build_config(build_parser().parse_args(["serve", *argv]), env or {})
+
+
+def test_unset_flags_keep_config_defaults() -> None:
+    cfg = config([])
+    assert cfg == ServerConfig(engine=EngineConfig())
+
+
+def test_flags_reach_the_configs() -> None:
+    cfg = config([
+        "--model", "/m", "--host", "0.0.0.0", "--port", "8001", "--api-key", "a",
+        "--api-key", "b", "--served-model-name", "mine", "--max-model-len", "4096",
+        "--dtype", "bfloat16", "--kv-cache-tokens", "10000", "--page-size", "16",
+        "--chunked-prefill-size", "512", "--max-prefill-tokens", "4096",
+        "--max-running-requests", "8", "--schedule-policy", "fcfs", "--disable-radix-cache",
+        "--attention-backend", "torch", "--seed", "3", "--num-threads", "2",
+        "--enable-kv-events", "--shared-cache", "--max-tokens-cap", "100",
+        "--max-input-tokens", "2000", "--max-concurrent-per-key", "4", "--max-queue", "64",
+    ], env={"RADIXSERVE_API_KEY": "c"})
+    e = cfg.engine
+    assert (e.model, e.max_model_len, e.dtype, e.kv_cache_tokens, e.page_size) == (
+        "/m", 4096, "bfloat16", 10000, 16)
+    assert (e.chunked_prefill_size, e.max_prefill_tokens, e.max_running_requests) == (512, 4096, 8)
+    assert (e.schedule_policy, e.disable_radix_cache, e.attention_backend) == ("fcfs", True, "torch")
+    assert (e.seed, e.num_threads, e.enable_kv_events) == (3, 2, True)
+    assert (cfg.host, cfg.port, cfg.api_keys, cfg.served_model_name) == (
+        "0.0.0.0", 8001, ("a", "b", "c"), "mine")
+    assert (cfg.shared_cache, cfg.max_tokens_cap, cfg.max_input_tokens) == (True, 100, 2000)
+    assert (cfg.max_concurrent_per_key, cfg.max_queue) == (4, 64)
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--page-size", "0"], "page_size"),
+    (["--dtype", "int3"], "dtype"),
+    (["--port", "70000"], "port"),
+    (["--max-queue", "0"], "max_queue"),
+])
+def test_config_errors_exit_cleanly(argv: list[str], words: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve: error:") and words in err and "Traceback" not in err
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0 and "--max-concurrent-per-key" in capsys.readouterr().out
