@@ -24,7 +24,6 @@ from radixserve.config import EngineConfig
 from radixserve.engine_proc import (
     DEFAULT_ENGINE_FACTORY,
     EngineFactory,
-    FlushCacheResultMsg,
     run_engine_process,
 )
 from radixserve.messages import (
@@ -34,6 +33,7 @@ from radixserve.messages import (
     EngineReadyMsg,
     EngineStatsMsg,
     FlushCacheMsg,
+    FlushCacheResultMsg,
     GenerateMsg,
     ShutdownMsg,
     TokenBatchMsg,

@@ -18,7 +18,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, Union
 
@@ -30,6 +29,7 @@ from radixserve.messages import (
     EngineReadyMsg,
     EngineStatsMsg,
     FlushCacheMsg,
+    FlushCacheResultMsg,
     GenerateMsg,
     ShutdownMsg,
     TokenBatchMsg,
@@ -40,13 +40,6 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
 DEFAULT_ENGINE_FACTORY = "radixserve.engine:Engine"
-
-
-@dataclass(frozen=True)
-class FlushCacheResultMsg:
-    """Reply to FlushCacheMsg. NOTE: proposed for radixserve/messages.py (lead's file)."""
-
-    flushed: bool
 
 
 class EngineLike(Protocol):

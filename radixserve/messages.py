@@ -31,6 +31,13 @@ class FlushCacheMsg:
 
 
 @dataclass(frozen=True)
+class FlushCacheResultMsg:
+    """Reply to FlushCacheMsg: False when requests were running (nothing flushed)."""
+
+    flushed: bool
+
+
+@dataclass(frozen=True)
 class ShutdownMsg:
     pass
 

@@ -146,9 +146,9 @@ class ModelRunner:
                 f"--kv-cache-tokens"
             )
         size = KVPoolSize(num_pages, cfg.page_size)
-        logger.info("KV cache size: %d tokens (%.2f GiB, %s)", size.num_slots,
+        logger.debug("KV cache size: %d tokens (%.2f GiB, %s)", size.num_slots,
                     size.num_slots * per_token / 2**30, self.dtype)
-        logger.info("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
+        logger.debug("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
                     size.num_slots / self.max_model_len)
         return size
 
