@@ -22,68 +22,25 @@ import itertools
 import struct
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from enum import Enum
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-ChildKey: TypeAlias = "int | tuple[int, ...]"
+from radixserve.cache.radix_types import (
+    CacheEvent,
+    CacheEventKind,
+    ChildKey,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+)
+
+__all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "RadixCache",
+           "TreeNode"]
+
 IntSeq: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"  # list, array('i'), numpy
 _INT = np.intc  # the C int behind array('i')
-
-
-class CacheEventKind(str, Enum):
-    """Equal to the plain strings "stored", "removed", "cleared"."""
-
-    STORED = "stored"
-    REMOVED = "removed"
-    CLEARED = "cleared"
-
-
-class CacheEvent(NamedTuple):
-    """One change of the cached token set, for a subscriber such as the router.
-
-    token_ids is the full path from the root to the end of the affected node; tokens
-    [prefix_len:] are the ones stored or removed. CLEARED (reset) clears every salt and
-    carries no tokens. Node splits are not events: the cached set does not change.
-    """
-
-    kind: CacheEventKind
-    token_ids: tuple[int, ...]
-    prefix_len: int
-    salt: str
-
-
-class TreeNode:
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "salt")
-
-    def __init__(
-        self, key: array[int], value: array[int], parent: TreeNode | None, last_access: int,
-        salt: str,
-    ) -> None:
-        self.key = key  # token ids of this span
-        self.value = value  # their slots, same length
-        self.parent = parent  # None only for a salt's root
-        self.children: dict[ChildKey, TreeNode] = {}
-        self.lock_ref = 0  # locks held on this node or any descendant
-        self.last_access = last_access  # the cache's operation counter, not wall time
-        self.salt = salt
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, "
-                f"last_access={self.last_access}, children={len(self.children)})")
-
-
-class MatchResult(NamedTuple):
-    node: TreeNode  # deepest matched node: lock it while using `slots`
-    cached_len: int  # a multiple of page_size
-    slots: list[int]  # slots of token_ids[:cached_len]
-
-
-class InsertResult(NamedTuple):
-    num_already_cached: int  # leading tokens the tree already had before this insert
-    node: TreeNode  # the node of the last inserted token
 
 
 class RadixCache:
