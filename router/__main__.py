@@ -1,0 +1,88 @@
+"""`radixserve-router` / `python -m router`: command line -> RouterConfig -> the aiohttp app.
+
+Owns: argparse and the process entry point. Does not know: anything the app does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from router.config import ConfigError, PolicyName, RouterConfig, normalize_worker_url
+
+log = logging.getLogger("router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="radixserve-router",
+                                description="Prefix-aware router in front of radixserve replicas.")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="a replica, e.g. http://127.0.0.1:30001 (repeatable)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--policy", choices=[x.value for x in PolicyName], default=d.policy.value)
+    p.add_argument("--admin-key", default=None, help="guards /workers and /flush_cache")
+    p.add_argument("--kv-events", action="store_true",
+                   help="precise mode: follow each replica's /kv_events (cache_aware only)")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="model spec whose tokenizer the replicas use (precise mode)")
+    p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
+    p.add_argument("--shared-cache", action="store_true",
+                   help="replicas share one cache namespace (their --shared-cache)")
+    p.add_argument("--block-chars", type=int, default=d.block_chars)
+    p.add_argument("--index-max-entries", type=int, default=d.index_max_entries)
+    p.add_argument("--balance-lambda", type=float, default=d.balance_lambda)
+    p.add_argument("--health-interval", type=float, default=d.health_interval_s)
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
+    p.add_argument("--fail-threshold", type=int, default=d.fail_threshold)
+    p.add_argument("--success-threshold", type=int, default=d.success_threshold)
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ConfigError for any invalid setting."""
+    return RouterConfig(
+        workers=tuple(normalize_worker_url(u) for u in args.worker),
+        host=args.host, port=args.port, policy=PolicyName(args.policy),
+        admin_key=args.admin_key, kv_events=args.kv_events, tokenizer=args.tokenizer,
+        kv_block_size=args.kv_block_size, salt_by_api_key=not args.shared_cache,
+        block_chars=args.block_chars, index_max_entries=args.index_max_entries,
+        balance_lambda=args.balance_lambda, health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout, fail_threshold=args.fail_threshold,
+        success_threshold=args.success_threshold, max_retries=args.max_retries,
+        connect_timeout_s=args.connect_timeout, seed=args.seed,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        sys.exit(f"radixserve-router: {e}")
+    if cfg.kv_events and cfg.tokenizer is None:
+        log.warning("--kv-events without --tokenizer: only token-id prompts are scored "
+                    "precisely; text and chat prompts use the approximate index")
+    if not cfg.workers:
+        log.warning("no --worker given: add some with POST /workers")
+    from router.app import create_app  # after validation: a bad flag fails fast
+
+    log.info("routing %d worker(s) with %s%s on http://%s:%d", len(cfg.workers),
+             cfg.policy.value, " + kv events" if cfg.kv_events else "", cfg.host, cfg.port)
+    web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True,
+                print=None)
+
+
+if __name__ == "__main__":
+    main()

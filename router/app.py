@@ -1,0 +1,199 @@
+"""The router's aiohttp application: route table, lifecycle, and the small handlers.
+
+Owns: `create_app(cfg)`, the ONE shared ClientSession and the health task (cleanup_ctx), the
+admin guard, /health, /metrics, /workers, /flush_cache. Does not know: how a worker is chosen
+(routing.py) or how bytes are relayed (proxy.py).
+
+Admin routes (/workers, /flush_cache) need `Authorization: Bearer <admin key>` when the router
+has one; /flush_cache forwards that header to every replica unchanged (so give replicas the
+same key, or leave their flush unguarded). Everything else passes the client's
+Authorization header through to the replica untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from router.config import ConfigError, RouterConfig, normalize_worker_url
+from router.metrics import make_registry
+from router.proxy import error_response, no_worker_response, proxy
+from router.route_key import PromptEncoder, RequestKind, load_prompt_encoder
+from router.routing import Router
+from router.workers import UnknownWorkerError, WorkerExistsError, health_loop
+
+ROUTER_KEY = web.AppKey("router", Router)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+MAX_BODY_BYTES = 64 << 20  # long-context prompts; replicas enforce their own limits (413)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def _admin_denied(request: web.Request) -> web.Response | None:
+    """None when the request may use admin routes; else the 401 to answer."""
+    key = request.app[ROUTER_KEY].cfg.admin_key
+    if key is None:
+        return None
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = hashlib.sha256(token.strip().encode()).digest()
+    expected = hashlib.sha256(key.encode()).digest()
+    if scheme.lower() == "bearer" and hmac.compare_digest(given, expected):
+        return None
+    return error_response(401, "admin routes need 'Authorization: Bearer <admin key>'",
+                          "authentication_error", "invalid_admin_key")
+
+
+def _admin(handler: Handler) -> Handler:
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        return _admin_denied(request) or await handler(request)
+
+    return guarded
+
+
+def _proxied(kind: RequestKind | None) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        router = request.app[ROUTER_KEY]
+        return await proxy(request, router, router.session, kind)
+
+    return handler
+
+
+async def health(request: web.Request) -> web.Response:
+    pool = request.app[ROUTER_KEY].pool
+    if not pool.any_healthy():
+        return no_worker_response()
+    return _json({"status": "ok", "healthy_workers": sum(w.healthy for w in pool.all())})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    rows = []
+    for w in router.pool.all():
+        row = w.to_json()
+        row["index_entries"] = router.index.num_entries(w.url)
+        if router.precise is not None:
+            row["kv_events_live"] = router.precise.is_live(w.url)
+        rows.append(row)
+    return _json({"workers": rows})
+
+
+async def _url_from(request: web.Request) -> str | web.Response:
+    url = request.query.get("url")
+    if url is None and request.can_read_body:
+        with contextlib.suppress(orjson.JSONDecodeError):
+            body = orjson.loads(await request.read())
+            url = body.get("url") if isinstance(body, dict) else None
+    if not isinstance(url, str):
+        return error_response(400, 'give the worker as {"url": "http://host:port"} or ?url=',
+                              "invalid_request_error", param="url")
+    try:
+        return normalize_worker_url(url)
+    except ConfigError as e:
+        return error_response(400, str(e), "invalid_request_error", param="url")
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    url = await _url_from(request)
+    if isinstance(url, web.Response):
+        return url
+    try:
+        worker = request.app[ROUTER_KEY].add_worker(url)
+    except WorkerExistsError:
+        return error_response(409, f"worker {url} is already registered",
+                              "invalid_request_error", param="url")
+    return _json(worker.to_json(), status=201)
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    url = await _url_from(request)
+    if isinstance(url, web.Response):
+        return url
+    try:
+        worker = await request.app[ROUTER_KEY].remove_worker(url)
+    except UnknownWorkerError:
+        return error_response(404, f"worker {url} is not registered", "invalid_request_error",
+                              param="url")
+    return _json(worker.to_json())
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """POST /flush_cache to every worker; 200 if all answered 200, else 502 with details."""
+    router = request.app[ROUTER_KEY]
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    timeout = aiohttp.ClientTimeout(total=router.cfg.health_timeout_s * 5)
+
+    async def one(url: str) -> int | str:
+        try:
+            async with router.session.post(f"{url}/flush_cache", headers=headers,
+                                           timeout=timeout) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    urls = [w.url for w in router.pool.all()]
+    results = dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
+    ok = bool(urls) and all(r == 200 for r in results.values())
+    return _json({"success": ok, "workers": results}, status=200 if ok else 502)
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    router = app[ROUTER_KEY]
+    cfg = router.cfg
+    # One session for everything; limit=0 because the router must never queue requests
+    # behind its own connection pool; bytes pass through untouched (no decompression).
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                    auto_decompress=False)
+    router.start(session)
+    health = asyncio.create_task(
+        health_loop(session, router.pool, cfg.health_interval_s, cfg.health_timeout_s),
+        name="router health",
+    )
+    try:
+        yield
+    finally:
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await router.stop()
+        await session.close()
+
+
+def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None) -> web.Application:
+    """The router app. Precise mode tokenizes with `encoder`, else with `cfg.tokenizer`."""
+    if encoder is None and cfg.tokenizer is not None:
+        encoder = load_prompt_encoder(cfg.tokenizer)
+    router = Router(cfg, encoder)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[ROUTER_KEY] = router
+    app[REGISTRY_KEY] = make_registry(router)
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", _proxied(RequestKind.COMPLETIONS))
+    app.router.add_post("/v1/chat/completions", _proxied(RequestKind.CHAT))
+    app.router.add_post("/generate", _proxied(RequestKind.GENERATE))
+    app.router.add_get("/v1/models", _proxied(None))
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/workers", _admin(list_workers))
+    app.router.add_post("/workers", _admin(add_worker))
+    app.router.add_delete("/workers", _admin(remove_worker))
+    app.router.add_post("/flush_cache", _admin(flush_cache))
+    return app

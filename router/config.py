@@ -1,0 +1,98 @@
+"""The router's settings: one frozen dataclass, validated once, built by the CLI (or a test).
+
+Owns: every knob of the router and its defaults. Does not know: argparse (see __main__.py),
+aiohttp.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it and what is allowed."""
+
+
+class PolicyName(str, enum.Enum):
+    CACHE_AWARE = "cache_aware"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    RANDOM = "random"
+
+
+def normalize_worker_url(url: str) -> str:
+    """`http://host:port` without a trailing slash; raises ConfigError for anything else."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"worker URL must look like http://host:port, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"worker URL must not carry a query or fragment, got {url!r}")
+    try:
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError as e:
+        raise ConfigError(f"bad port in worker URL {url!r}") from e
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: PolicyName = PolicyName.CACHE_AWARE
+    admin_key: str | None = None  # guards /workers and /flush_cache when set
+    # Precise mode: follow each replica's /kv_events; needs a tokenizer for text prompts.
+    kv_events: bool = False
+    tokenizer: str | None = None  # a model spec radixserve.model.loader understands
+    kv_block_size: int = 16  # must equal the replicas' --kv-events block size
+    pending_ttl_s: float = 30.0  # routed-but-not-yet-announced blocks count this long
+    kv_stream_timeout_s: float = 30.0  # no byte (not even a keepalive) for this long: down
+    # Cache namespaces: True mirrors replicas that salt their cache per API key (the
+    # default); False mirrors replicas started with --shared-cache.
+    salt_by_api_key: bool = True
+    # Approximate index: chained hashes of `block_chars`-byte blocks of the prompt text.
+    block_chars: int = 64
+    index_max_entries: int = 1 << 20  # (block, worker) pairs over ALL workers, LRU beyond
+    # cache_aware score = match_ratio - balance_lambda * (load - min_load) / max(1, mean_load)
+    balance_lambda: float = 0.5
+    # Health: GET /health every interval; N failures -> down, M successes -> up.
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    fail_threshold: int = 3
+    success_threshold: int = 2
+    # Retries of a request whose connection failed before any response byte.
+    max_retries: int = 3
+    retry_backoff_s: float = 0.05  # 50 ms x 1.5^n
+    retry_backoff_factor: float = 1.5
+    connect_timeout_s: float = 5.0
+    seed: int = 0  # the random policy's generator
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, PolicyName):
+            allowed = ", ".join(p.value for p in PolicyName)
+            raise ConfigError(f"unknown policy {self.policy!r}; supported: {allowed}")
+        for url in self.workers:
+            if normalize_worker_url(url) != url:
+                raise ConfigError(f"worker URL {url!r} is not normalized (normalize_worker_url)")
+        if len(set(self.workers)) != len(self.workers):
+            raise ConfigError(f"duplicate worker URLs in {list(self.workers)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:
+            raise ConfigError("--kv-events needs --policy cache_aware")
+        for name in ("kv_block_size", "block_chars", "index_max_entries",
+                     "fail_threshold", "success_threshold"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
+                     "pending_ttl_s", "kv_stream_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:
+            raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
+        if self.balance_lambda < 0:
+            raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
+        if self.admin_key is not None and not self.admin_key:
+            raise ConfigError("admin_key must not be empty")

@@ -1,0 +1,60 @@
+"""Prometheus view of the router, read from the live worker records at scrape time.
+
+Owns: metric names and labels. Does not know: how the numbers are kept (workers.py,
+routing.py). A collector (rather than labelled metric objects) means a removed worker simply
+stops appearing, with no stale series to delete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from router.routing import Router
+
+PREFIX = "radixserve_router:"
+
+
+class RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker"]
+        routed = CounterMetricFamily(PREFIX + "requests_routed", "Requests sent to a worker "
+                                     "(each retry counts on the worker it went to)", labels=labels)
+        errors = CounterMetricFamily(PREFIX + "worker_errors", "Connection failures, 5xx "
+                                     "answers and streams broken mid-way", labels=labels)
+        in_flight = GaugeMetricFamily(PREFIX + "requests_in_flight",
+                                      "Requests being proxied to a worker", labels=labels)
+        healthy = GaugeMetricFamily(PREFIX + "worker_healthy",
+                                    "1 if the worker gets requests", labels=labels)
+        hit_rate = GaugeMetricFamily(PREFIX + "estimated_hit_rate", "Prefix blocks the "
+                                     "router believed the worker held / blocks routed to it",
+                                     labels=labels)
+        entries = GaugeMetricFamily(PREFIX + "prefix_index_entries",
+                                    "Approximate index entries per worker", labels=labels)
+        kv_live = GaugeMetricFamily(PREFIX + "kv_events_live",
+                                    "1 while the worker's /kv_events stream is followed",
+                                    labels=labels)
+        precise = self.router.precise
+        for w in self.router.pool.all():
+            routed.add_metric([w.url], w.num_routed)
+            errors.add_metric([w.url], w.num_errors)
+            in_flight.add_metric([w.url], w.in_flight)
+            healthy.add_metric([w.url], 1.0 if w.healthy and not w.suspect else 0.0)
+            hit_rate.add_metric([w.url], w.est_hit_rate)
+            entries.add_metric([w.url], self.router.index.num_entries(w.url))
+            if precise is not None:
+                kv_live.add_metric([w.url], 1.0 if precise.is_live(w.url) else 0.0)
+        yield from (routed, errors, in_flight, healthy, hit_rate, entries)
+        if precise is not None:
+            yield kv_live
+
+
+def make_registry(router: Router) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router))
+    return registry

@@ -1,0 +1,158 @@
+"""Forwarding one request: choose a worker, send, stream the answer back as it comes.
+
+Owns: the retry rule and the passthrough. A request whose connection fails before any
+response byte (refused, reset, timed out connecting) or that a replica answers 503 (not ready,
+engine dead) is retried on another worker, at most `max_retries` times, sleeping
+50 ms x 1.5^n between tries; the worker is marked suspect. Once the status line has been
+relayed, bytes go to the client chunk by chunk and an upstream failure reaches the client as
+it stands: the connection is dropped, so it sees a truncated response, never a short
+"complete" one. In-flight counts are decremented in `finally`. Does not know: policies or
+indexes (routing.py), the route table (app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.route_key import RequestKind
+from router.routing import Router
+from router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+# RFC 9110 7.6.1 hop-by-hop headers, plus those the client library sets itself.
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+
+
+def error_response(status: int, message: str, err_type: str, code: str | None = None,
+                   param: str | None = None) -> web.Response:
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def no_worker_response(detail: str = "") -> web.Response:
+    msg = "no healthy worker is available" + (f" ({detail})" if detail else "")
+    return error_response(503, msg, "service_unavailable_error", "no_worker_available")
+
+
+def _passthrough_headers(headers: Mapping[str, str], keep_length: bool) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _HOP_BY_HOP and not (keep_length and lower == "content-length"):
+            continue
+        out.add(name, value)
+    return out
+
+
+class Attempt(NamedTuple):
+    response: web.StreamResponse | None  # relayed to the client: done
+    retry_error: str | None  # nothing relayed yet: try another worker
+    fallback: web.Response | None  # a 503 to return as it stands if no other worker is left
+
+
+async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
+                 worker: Worker) -> web.StreamResponse:
+    # Content-Length is kept (so a plain JSON answer stays unchunked) only when the bytes go
+    # through untouched: the session never decompresses.
+    out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                             headers=_passthrough_headers(upstream.headers, keep_length=True))
+    await out.prepare(request)
+    while True:
+        try:
+            chunk = await upstream.content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            worker.num_errors += 1
+            worker.last_error = f"stream broken: {e!r}"
+            log.warning("stream from %s broke mid-way: %r", worker.url, e)
+            if request.transport is not None:
+                request.transport.close()
+            return out
+        if not chunk:
+            break
+        try:
+            await out.write(chunk)
+        except ConnectionResetError:
+            # The client left; closing upstream (in _attempt) makes the replica abort too.
+            upstream.close()
+            return out
+    await out.write_eof()
+    return out
+
+
+async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker: Worker,
+                   body: bytes, connect_timeout_s: float) -> Attempt:
+    url = f"{worker.url}{request.rel_url}"
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+    try:
+        upstream = await session.request(
+            request.method, url, data=body if body else None, timeout=timeout,
+            headers=_passthrough_headers(request.headers, keep_length=False),
+        )
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return Attempt(None, f"{type(e).__name__}: {e}", None)
+    try:
+        if upstream.status == 503:
+            data = await upstream.read()
+            fallback = web.Response(status=503, body=data, headers=_passthrough_headers(
+                upstream.headers, keep_length=False))
+            return Attempt(None, "answered 503", fallback)
+        if upstream.status >= 500:
+            worker.num_errors += 1
+        return Attempt(await _relay(request, upstream, worker), None, None)
+    except BaseException:
+        upstream.close()  # not fully read: this connection cannot go back to the pool
+        raise
+    finally:
+        upstream.release()
+
+
+async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSession,
+                kind: RequestKind | None) -> web.StreamResponse:
+    """Route and forward `request`; retry elsewhere while nothing has been relayed."""
+    cfg = router.cfg
+    body = await request.read()
+    parsed = None
+    if kind is not None and body:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None  # routed anyway; the replica answers the 400
+    key = await router.route_key(kind or RequestKind.GENERATE, parsed,
+                                 request.headers.get("Authorization"))
+    tried: set[str] = set()
+    fallback: web.Response | None = None
+    for attempt in range(cfg.max_retries + 1):
+        if attempt:
+            await asyncio.sleep(cfg.retry_backoff_s * cfg.retry_backoff_factor ** (attempt - 1))
+        decision = router.choose(key, frozenset(tried))
+        if decision is None:
+            break
+        router.record(key, decision)
+        worker = decision.worker
+        tried.add(worker.url)
+        worker.in_flight += 1
+        try:
+            result = await _attempt(request, session, worker, body, cfg.connect_timeout_s)
+        finally:
+            worker.in_flight -= 1
+        if result.response is not None:
+            return result.response
+        assert result.retry_error is not None
+        log.info("%s failed before any byte (%s); retrying elsewhere", worker.url,
+                 result.retry_error)
+        router.pool.mark_suspect(worker, result.retry_error)
+        fallback = result.fallback or fallback
+    return fallback or no_worker_response(f"tried {len(tried)}" if tried else "")
