@@ -138,11 +138,13 @@ class LLM:
 
         params_list = [params or SamplingParams()] * len(prompts) if not isinstance(
             params, Sequence) else list(params)
-        salts = [cache_salt] * len(prompts) if isinstance(cache_salt, str) else list(cache_salt)
+        salts: list[str] = ([cache_salt] * len(prompts) if isinstance(cache_salt, str)
+                            else list(cache_salt))
         results: dict[str, GenerationResult] = {}
         start = time.perf_counter()
         for prompt, p, salt in zip(prompts, params_list, salts, strict=False):
-            ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+            ids = (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str)
+                   else [int(t) for t in prompt])  # type: ignore[call-overload]
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(GenerateMsg(rid, ids, p, salt))
             results[rid] = GenerationResult(rid, ids)
@@ -160,7 +162,8 @@ class LLM:
                 if out.finish_reason is not None:
                     res.finish_reason, res.latency = out.finish_reason, now
         for res in results.values():
-            res.text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            res.text = text if isinstance(text, str) else "".join(text)
         return list(results.values())
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None

@@ -30,6 +30,7 @@ from radixserve.types import (
     Req,
     ReqStatus,
     SamplingParams,
+    TokenLogprobs,
     TokenOutput,
 )
 
@@ -219,7 +220,7 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
 
     def process_outputs(self, batch: Batch, token_ids: list[int],
-                        logprobs: list | None = None) -> list[TokenOutput]:
+                        logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
         outputs: list[TokenOutput] = [self._abort_output(r) for r in self.aborted]
         self.aborted.clear()
         sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=False))

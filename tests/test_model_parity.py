@@ -36,7 +36,7 @@ def check_parity(model_dir: Path, lengths: list[int], n: int, vocab: int, **kw: 
     llm = LLM(model=str(model_dir), dtype="float32", kv_cache_tokens=8192, **kw)
     ours = llm.generate(prompts, params)
     ref = hf_greedy(model_dir, prompts, n)
-    for i, (o, r) in enumerate(zip(ours, ref)):
+    for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
         assert o.output_ids == r[: n - (i % 3)], f"prompt {i} (len {lengths[i]})"
     llm.engine.check_integrity()
     assert llm.kv_stats()["kv_held_tokens"] == 0

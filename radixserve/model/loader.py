@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -108,7 +109,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return out
 
 
-def _save_plain(model: torch.nn.Module, out: Path) -> None:
+def _save_plain(model: Any, out: Path) -> None:
     """Save without transformers' serializer, which refuses GGUF-quantized models."""
     from safetensors.torch import save_file
 

@@ -40,7 +40,7 @@ def _read_all(hf_dir: Path, show_progress: bool) -> dict[str, torch.Tensor]:
     if not files:
         raise ModelLoadError(f"{hf_dir}: no *.safetensors weights (only safetensors are loaded)")
     tensors: dict[str, torch.Tensor] = {}
-    names = []
+    names: list[tuple[Path, str]] = []
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             names.extend((f, k) for k in sf.keys())
