@@ -33,7 +33,13 @@ def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin for positions [0, max_positions), computed once in fp32."""
+    """cos/sin for positions [0, max_positions), computed once in fp32.
+
+    `sin` is stored with its first half negated: rotate_half(x) * sin, HF's
+    cat(-x2, x1) * sin, equals roll(x, half) * cat(-sin1, sin2) product for product (only
+    signs move), so fp32 results are unchanged and one roll replaces two slices, a neg and
+    a cat on every layer.
+    """
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -41,15 +47,17 @@ class RotaryTable:
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # (max_positions, head_dim / 2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_positions, head_dim)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
         self.half = head_dim // 2
+        sin = emb.sin()
+        sin[:, : self.half] = -sin[:, : self.half]
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # (max_positions, head_dim)
+        self.sin = sin.to(device=device, dtype=dtype)  # (max_positions, head_dim), signed
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the positions, shaped to broadcast over heads: (T, 1, head_dim)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, signed sin for the positions, shaped to broadcast over heads: (T, 1, head_dim)."""
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, head_dim) -> rotated copy (rotate-half convention, as HF Llama)."""
-        x1, x2 = x[..., : self.half], x[..., self.half :]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin

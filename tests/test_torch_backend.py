@@ -1,0 +1,229 @@
+"""The CPU fast paths of the forward against plain references: cascade attention (shared
+groups, padding, masks) against per-request attention in float64, prepacked bf16 linears and
+the fused MLP against F.linear, the bf16 RMSNorm against HF's order, the rotary identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.attention.base import AttentionMetadata, SharedPrefix
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.model.llama import GatedMLP, Linear, rms_norm
+from radixserve.model.rope import RotaryTable
+from radixserve.model.spec import RopeSpec
+from radixserve.sampler import Sampler
+from radixserve.types import Phase, Req, SamplingParams
+
+HKV, G, D, NUM_SLOTS = 2, 3, 32, 4096
+# CPU runs the fused flash kernel, CUDA the matmul + logsumexp path of the same plan.
+DEVICES = [pytest.param("cpu"),
+           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+def build_meta(phase: Phase, prefix_lens: list[int], extend_lens: list[int],
+               table: torch.Tensor, groups: list[tuple[list[int], int]],
+               device: str = "cpu") -> AttentionMetadata:
+    B = len(prefix_lens)
+    rows = list(range(B))
+    seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    cu = [0]
+    for n in extend_lens:
+        cu.append(cu[-1] + n)
+    own_start = [0] * B
+    shared = []
+    for members, length in groups:
+        shared.append(SharedPrefix(torch.tensor(members, device=device),
+                                   table[members[0], :length].long().to(device), length))
+        for b in members:
+            own_start[b] = length
+    out_slots = torch.cat([table[r, p : p + n] for r, p, n in
+                           zip(rows, prefix_lens, extend_lens, strict=True)]).long()
+
+    def ints(xs: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(xs, dtype=dtype, device=device)
+
+    return AttentionMetadata(
+        phase=phase, slot_table=table.to(device), rows=ints(rows, torch.int64),
+        prefix_lens=ints(prefix_lens), extend_lens=ints(extend_lens), seq_lens=ints(seq),
+        cu_extend=ints(cu), out_slots=out_slots.to(device), prefix_lens_cpu=tuple(prefix_lens),
+        extend_lens_cpu=tuple(extend_lens), max_seq_len=max(seq),
+        max_extend_len=max(extend_lens), rows_cpu=tuple(rows), shared=tuple(shared),
+        own_start=ints(own_start, torch.int64), own_start_cpu=tuple(own_start))
+
+
+def make_table(seq_lens: list[int], shared: list[tuple[list[int], int]], consecutive: bool,
+               gen: torch.Generator) -> torch.Tensor:
+    """Slot table: members of a group share their first `length` slots (the tree pages)."""
+    perm = torch.randperm(NUM_SLOTS, generator=gen)
+    nxt = 0
+    table = torch.zeros(len(seq_lens), max(seq_lens) + 1, dtype=torch.int32)
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal nxt
+        if consecutive:
+            out = torch.arange(nxt, nxt + n, dtype=torch.int32)
+        else:
+            out = perm[nxt : nxt + n].int()
+        nxt += n
+        return out
+
+    for members, length in shared:
+        prefix = take(length)
+        for b in members:
+            table[b, :length] = prefix
+    starts = {b: length for members, length in shared for b in members}
+    for b, n in enumerate(seq_lens):
+        s = starts.get(b, 0)
+        table[b, s:n] = take(n - s)
+    return table
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Per request, float64: every new token attends to slots [0, its position]."""
+    out = []
+    start = 0
+    for row, p, n in zip(meta.rows_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu, strict=True):
+        slots = meta.slot_table[row, : p + n].long()
+        keys = k_cache[slots].double().repeat_interleave(G, dim=1)  # (L, Hq, D)
+        values = v_cache[slots].double().repeat_interleave(G, dim=1)
+        qb = q[start : start + n].double()  # (n, Hq, D)
+        scores = torch.einsum("nhd,lhd->hnl", qb, keys) * scale
+        causal = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hnl,lhd->nhd", probs, values))
+        start += n
+    return torch.cat(out)
+
+
+CASES = {
+    # name: (phase, prefix_lens, extend_lens, groups)
+    "decode, one group of all": (Phase.DECODE, [70, 75, 70, 90], [1, 1, 1, 1],
+                                 [([0, 1, 2, 3], 64)]),
+    "decode, equal lengths": (Phase.DECODE, [80, 80, 80], [1, 1, 1], [([0, 1, 2], 66)]),
+    "decode, two groups + loner": (Phase.DECODE, [70, 71, 90, 95, 12], [1] * 5,
+                                   [([0, 1], 64), ([2, 3], 80)]),
+    "extend, padded, group of some": (Phase.EXTEND, [64, 64, 0], [5, 16, 9], [([0, 1], 64)]),
+    "extend, no group": (Phase.EXTEND, [0, 30, 7], [12, 3, 20], []),
+    "extend, lone request": (Phase.EXTEND, [40], [17], []),
+    "decode, lone request": (Phase.DECODE, [40], [1], []),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
+                                               consecutive: bool, device: str) -> None:
+    phase, prefix_lens, extend_lens, groups = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    table = make_table(seq, groups, consecutive, gen)
+    meta = build_meta(phase, prefix_lens, extend_lens, table, groups, device)
+    T = sum(extend_lens)
+    k_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(device, dtype)
+    # q as the model passes it: a strided slice of a wider rotated tensor
+    q = torch.randn(T, HKV * G + HKV, D, generator=gen).to(device, dtype)[:, : HKV * G]
+    k = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
+    v = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
+    backend = TorchAttentionBackend()
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    assert torch.equal(k_cache[meta.out_slots], k) and torch.equal(v_cache[meta.out_slots], v)
+    ref = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), build_meta(
+        phase, prefix_lens, extend_lens, table, groups, "cpu"), D**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.shape == (T, HKV * G, D) and out.dtype == dtype and out.device == q.device
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
+    # a second layer reuses the plan; its cache differs, so its output must too
+    out2 = backend.forward(q, k, v, k_cache * 2, v_cache, meta, D**-0.5)
+    assert not torch.equal(out2, out)
+
+
+def test_prepacked_linear_and_fused_mlp_match_f_linear() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    w = (torch.randn(96, 64, generator=gen) * 0.1).to(bf)
+    bias = torch.randn(96, generator=gen).to(bf)
+    gate_up = (torch.randn(2 * 80, 64, generator=gen) * 0.1).to(bf)
+    down = (torch.randn(64, 80, generator=gen) * 0.1).to(bf)
+    lin, lin_b, mlp = Linear(w), Linear(w, bias), GatedMLP(gate_up, down)
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert lin.packed is not None and mlp.gate is not None  # the fast path is under test
+    for m in (1, 7, 32, 300):
+        x = torch.randn(m, 64, generator=gen).to(bf)
+        res = torch.randn(m, 96, generator=gen).to(bf)
+        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lin_b(x), F.linear(x, w, bias), rtol=1e-2, atol=1e-2)
+        ref = (res.float() + x.float() @ w.float().t())
+        torch.testing.assert_close(lin.add_to(res, x).float(), ref, rtol=2e-2, atol=2e-2)
+        g, u = (x.float() @ gate_up.float().t()).chunk(2, dim=-1)
+        h = torch.randn(m, 64, generator=gen).to(bf)
+        ref = h.float() + (F.silu(g) * u) @ down.float().t()
+        torch.testing.assert_close(mlp(x, h).float(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_fp32_linear_is_plain_f_linear() -> None:
+    w = torch.randn(8, 4)
+    lin = Linear(w)
+    assert lin.packed is None
+    x = torch.randn(3, 4)
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_rms_norm_bf16_close_to_hf_order_and_fp32_exact() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(50, 64, generator=gen)
+    w = torch.rand(64, generator=gen) + 0.5
+    hf = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, w, 1e-5), hf)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    xf = xb.float()
+    hf_bf16 = wb * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    out = rms_norm(xb, wb, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), hf_bf16.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rotary_equals_hf_rotate_half_exactly() -> None:
+    table = RotaryTable(RopeSpec(theta=10000.0), 64, 128, torch.float32, torch.device("cpu"))
+    pos = torch.tensor([0, 5, 127, 64])
+    x = torch.randn(4, 3, 64)
+    cos, sin = table.lookup(pos)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    emb = torch.cat([torch.outer(pos.float(), inv)] * 2, dim=-1)[:, None, :]
+    rotate_half = torch.cat([-x[..., 32:], x[..., :32]], dim=-1)
+    assert torch.equal(table.apply(x, cos, sin), x * emb.cos() + rotate_half * emb.sin())
+
+
+def test_greedy_picks_the_first_of_tied_maxima() -> None:
+    logits = torch.zeros(3, 1000)
+    logits[0, [7, 500]] = 2.0
+    logits[2, [999, 3]] = 1.0
+    reqs = [Req(rid=str(i), token_ids=[1], num_prompt_tokens=1,
+                params=SamplingParams(temperature=0), max_new_tokens=4) for i in range(3)]
+    result = Sampler((0,), 0, torch.device("cpu")).sample(logits, reqs)
+    assert result.token_ids == [7, 0, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_partial_matches_the_cpu_kernel(dtype: torch.dtype) -> None:
+    """The CUDA path of a partial attention (matmul + logsumexp) against the CPU kernel."""
+    from radixserve.attention.torch_backend import _attend, _attend_math
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 2, 9, 32, generator=gen).to(dtype)
+    keys = torch.randn(4, 2, 20, 32, generator=gen).to(dtype)
+    values = torch.randn(4, 2, 20, 32, generator=gen).to(dtype)
+    keep = torch.rand(4, 1, 9, 20, generator=gen) > 0.3
+    keep[..., 0] = True
+    mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+    out, lse = _attend(q, keys, values, mask, 0.2)
+    out_m, lse_m = _attend_math(q, keys, values, mask, 0.2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), out_m.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, lse_m, rtol=tol, atol=tol)
