@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -50,7 +50,7 @@ class SystemSpec:
     env: dict[str, str] = field(default_factory=dict)
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
-    send_min_tokens: bool = False  # exact output lengths where ignore_eos is not supported
+    extra_body: Mapping[str, Any] = field(default_factory=dict)  # sent with every request
     cwd: str = str(REPO_ROOT)
 
 
@@ -135,7 +135,8 @@ def _gguf_for(model: str) -> Path | None:
     return None
 
 
-def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str) -> list[SystemSpec]:
+def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str,
+                  special_ids: Sequence[int]) -> list[SystemSpec]:
     """Every system the flags make available, in the table's order."""
     py, m = sys.executable, args.model
     rs = (py, "-m", "radixserve", "serve", "--model", m, "--host", "127.0.0.1",
@@ -160,9 +161,13 @@ def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str) -> l
     if args.llamacpp_python and gguf is not None:
         llama = (args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf),
                  "--model_alias", served_name, "--host", "127.0.0.1", "--port", "{port}",
-                 "--n_ctx", "4096", *shlex.split(args.llamacpp_args))
+                 "--n_ctx", "4096", "--interrupt_requests", "False",  # else a new request
+                 *shlex.split(args.llamacpp_args))  # cuts off the one being streamed
+        # llama-cpp-python knows no ignore_eos, and its min_tokens masks only one of the
+        # end-of-generation ids; banning every special token gives exact output lengths.
+        ban = {"logit_bias": {str(i): -100.0 for i in special_ids}}
         systems.append(SystemSpec("llamacpp", llama, health_path="/v1/models", cwd=tmp,
-                                  send_min_tokens=True))
+                                  extra_body=ban))
     chosen = args.systems.split(",") if args.systems else [s.name for s in systems]
     unknown = set(chosen) - {s.name for s in systems}
     if unknown:
@@ -241,8 +246,8 @@ def run_system(spec: SystemSpec, workloads: list[Workload], args: argparse.Names
                log_path: Path) -> list[BenchRun]:
     """Start `spec`, run every workload (one per repetition) against it, stop it."""
     with ServerProcess(spec, log_path) as server:
-        cfg = replace(client_config(args, server.base_url), model=None,
-                      send_min_tokens=args.send_min_tokens or spec.send_min_tokens)
+        cfg = client_config(args, server.base_url)
+        cfg = replace(cfg, model=None, extra_body={**cfg.extra_body, **spec.extra_body})
         return [asyncio.run(run_benchmark(cfg, w)) for w in workloads]
 
 
@@ -256,7 +261,7 @@ def _main(args: argparse.Namespace) -> int:
     # and each run warms its own shared prefix first, the same way for all systems.
     spec = spec_from_args(args.workload, args)
     workloads = [build_workload(spec, tok, args.seed + i) for i in range(args.runs)]
-    systems = build_systems(args, resolved.hf_dir, resolved.name)
+    systems = build_systems(args, resolved.hf_dir, resolved.name, sorted(tok.all_special_ids))
     out = Path(args.output_dir)
     stem = f"compare_{args.workload.value}_{time.strftime('%Y%m%d-%H%M%S')}"
     rows: dict[str, dict[str, float | None] | str] = {}

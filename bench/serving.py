@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -65,7 +66,8 @@ class ClientConfig:
     max_concurrency: int | None = None
     timeout_s: float = 600.0  # per request
     ignore_eos: bool = True
-    send_min_tokens: bool = False  # min_tokens = max_tokens too (for llama-cpp-python)
+    # Merged into every request body, e.g. a logit_bias banning EOS where ignore_eos is unknown.
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
     warmup: int | None = None  # None: one request per warm-up prompt of the workload
     seed: int = 0
     disable_tqdm: bool = False
@@ -130,8 +132,7 @@ def _body(cfg: ClientConfig, model: str, prompt: str | list[dict[str, str]],
                             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
-    if cfg.send_min_tokens:
-        body["min_tokens"] = max_tokens
+    body.update(cfg.extra_body)
     if isinstance(prompt, str):
         body["prompt"] = prompt
     else:
@@ -338,8 +339,8 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=None,
                    help="warm-up requests (default: one per shared prefix)")
     g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
-    g.add_argument("--send-min-tokens", action="store_true",
-                   help="also send min_tokens = max_tokens (servers without ignore_eos)")
+    g.add_argument("--extra-body", type=json.loads, default={},
+                   help='JSON merged into every request, e.g. \'{"logit_bias": {"2": -100}}\'')
     g.add_argument("--disable-tqdm", action="store_true")
     g.add_argument("--output-dir", default="bench/results")
     g.add_argument("--no-plots", action="store_true")
@@ -350,7 +351,7 @@ def client_config(args: argparse.Namespace, base_url: str) -> ClientConfig:
         base_url=base_url.rstrip("/"), model=args.served_model_name, endpoint=args.endpoint,
         api_key=args.api_key, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, timeout_s=args.timeout,
-        ignore_eos=not args.no_ignore_eos, send_min_tokens=args.send_min_tokens,
+        ignore_eos=not args.no_ignore_eos, extra_body=args.extra_body,
         warmup=args.warmup, seed=args.seed,
         disable_tqdm=args.disable_tqdm)
 

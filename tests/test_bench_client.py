@@ -51,8 +51,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     if prompt.startswith("FAIL"):
         return web.json_response({"error": {"message": "boom"}}, status=500)
     n = body["max_tokens"]
-    if st.eos_after is not None and not body.get("ignore_eos") \
-            and body.get("min_tokens", 0) < n:
+    if st.eos_after is not None and not body.get("ignore_eos") and "logit_bias" not in body:
         n = min(n, st.eos_after)
     chat = "messages" in body
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -189,13 +188,14 @@ async def test_rejected_ignore_eos_is_dropped_and_noted(fake: tuple[str, FakeSta
     assert any("does not honour ignore_eos" in n for n in run.notes)
 
 
-async def test_min_tokens_gives_exact_lengths_without_ignore_eos(
+async def test_extra_body_gives_exact_lengths_without_ignore_eos(
         fake: tuple[str, FakeState]) -> None:
     url, st = fake
     st.eos_after = 2
-    run = await run_benchmark(_cfg(url, ignore_eos=False, send_min_tokens=True),
+    ban = {"logit_bias": {"2": -100.0}}
+    run = await run_benchmark(_cfg(url, ignore_eos=False, extra_body=ban),
                               _workload(["x1", "x2"], out=6))
-    assert st.bodies[-1]["min_tokens"] == 6 and "ignore_eos" not in st.bodies[-1]
+    assert st.bodies[-1]["logit_bias"] == {"2": -100.0} and "ignore_eos" not in st.bodies[-1]
     assert run.summary.total_output_tokens == 12 and run.summary.short_outputs == 0
 
 
