@@ -131,15 +131,16 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--question-len", type=int, default=64)
     args = ap.parse_args()
-    print(f"torch threads: {torch.get_num_threads()}")
     if args.section in ("all", "hf"):
         rows = section_hf(args.model, args.dtypes.split(","), args.runs, args.output_len)
+        print(f"torch threads (set by the engine, shared by HF): {torch.get_num_threads()}")
         print("\nLLM.generate vs HF generate (output tokens/s, median of runs)")
         print(table(["dtype", "workload", "radixserve", "HF", "ratio"], rows))
     if args.section in ("all", "shared"):
         rows = section_shared(args.model, args.dtypes.split(",")[0], args.runs, args.groups,
                               args.prompts_per_group, args.system_len, args.question_len,
                               args.output_len)
+        print(f"torch threads: {torch.get_num_threads()}")
         print(f"\nshared prefix: {args.groups} groups x {args.prompts_per_group} prompts, "
               f"{args.system_len}-token system prompt, {args.question_len}-token question, "
               f"{args.output_len} output tokens, all at once")
