@@ -199,11 +199,14 @@ class ModelRunner:
         if len(batch.reqs) > 1:
             for members, length in find_shared_prefixes(batch.reqs):
                 reqs = batch.reqs
+                slots = reqs[members[0]].slots[:length]
+                consecutive = slots[-1] - slots[0] == length - 1 and all(
+                    b - a == 1 for a, b in zip(slots, slots[1:], strict=False))
                 shared.append(SharedPrefix(
                     members=torch.tensor(members, dtype=torch.int64, device=dev),
-                    slots=torch.tensor(reqs[members[0]].slots[:length], dtype=torch.int64,
-                                       device=dev),
-                    length=length))
+                    slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+                    length=length, members_cpu=tuple(members),
+                    first_slot=slots[0] if consecutive else None))
                 for b in members:
                     own_start[b] = length
         meta = AttentionMetadata(

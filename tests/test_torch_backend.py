@@ -35,8 +35,11 @@ def build_meta(phase: Phase, prefix_lens: list[int], extend_lens: list[int],
     own_start = [0] * B
     shared = []
     for members, length in groups:
-        shared.append(SharedPrefix(torch.tensor(members, device=device),
-                                   table[members[0], :length].long().to(device), length))
+        slots = table[members[0], :length].long()
+        consecutive = bool((slots.diff() == 1).all())
+        shared.append(SharedPrefix(torch.tensor(members, device=device), slots.to(device), length,
+                                   members_cpu=tuple(members),
+                                   first_slot=int(slots[0]) if consecutive else None))
         for b in members:
             own_start[b] = length
     out_slots = torch.cat([table[r, p : p + n] for r, p, n in

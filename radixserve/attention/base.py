@@ -30,6 +30,9 @@ class SharedPrefix:
     members: torch.Tensor  # (n,) int64 batch indices
     slots: torch.Tensor  # (length,) int64
     length: int
+    # Host-side copies, so that planning a forward needs no device sync.
+    members_cpu: tuple[int, ...] = ()
+    first_slot: int | None = None  # set when slots are first, first + 1, ... (a view suffices)
 
 
 @dataclass(frozen=True)

@@ -121,16 +121,14 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
     for n in meta.extend_lens_cpu:
         cu.append(cu[-1] + n)
     for g in meta.shared:
-        members = g.members.tolist()
+        members = g.members_cpu or tuple(g.members.tolist())
         token_rows = None
         if len(members) < meta.batch_size:
             rows = [r for b in members for r in range(cu[b], cu[b + 1])]
             token_rows = torch.tensor(rows, dtype=torch.int64, device=meta.rows.device)
-        # A prefix computed in one prefill usually got consecutive slots from the allocator.
-        first = int(g.slots[0])
-        consecutive = int(g.slots[-1]) - first == g.length - 1 and bool(
-            (g.slots.diff() == 1).all())
-        groups.append(_Group(token_rows, g.slots, first if consecutive else None))
+        # A prefix computed in one prefill usually got consecutive slots from the allocator;
+        # the runner tells (host side), so planning needs no device sync.
+        groups.append(_Group(token_rows, g.slots, g.first_slot))
     return groups
 
 
