@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixserve.constraints import Constraint
+
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import TreeNode
 
@@ -64,6 +66,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
+    # Grammar-constrained decoding (JSON schema, regex, choice, EBNF, tool calls); None = free.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str, param: str) -> InvalidRequestError:
