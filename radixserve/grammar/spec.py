@@ -53,9 +53,9 @@ def grammar_text(c: Constraint) -> str:
     """The llguidance grammar (its serialized top-level form) for a constraint."""
     k = c.kind
     if k is ConstraintKind.JSON_SCHEMA:
-        return LLMatcher.grammar_from_json_schema(_with_options(parse_schema(c.text)))
+        return LLMatcher.grammar_from_json_schema(json.dumps(_with_options(parse_schema(c.text))))
     if k is ConstraintKind.JSON_OBJECT:
-        return LLMatcher.grammar_from_json_schema(_with_options({"type": "object"}))
+        return LLMatcher.grammar_from_json_schema(json.dumps(_with_options({"type": "object"})))
     if k is ConstraintKind.REGEX:
         return LLMatcher.grammar_from_regex(c.text)
     if k is ConstraintKind.CHOICE:
