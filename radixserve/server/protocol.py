@@ -10,7 +10,7 @@ harmless, accepted at its no-op value, otherwise rejected by name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from radixserve.server.fields import (
@@ -23,6 +23,7 @@ from radixserve.server.fields import (
     is_int,
     parse_token_ids,
 )
+from radixserve.server.native_constraints import NATIVE_CONSTRAINT_FIELDS, parse_native_constraint
 from radixserve.types import SamplingParams
 
 __all__ = ["check_token_ids", "parse_chat", "parse_completion", "parse_generate"]
@@ -48,7 +49,7 @@ COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream"})
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
-    "max_new_tokens", "min_new_tokens", "n",
+    "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
 }
 
 
@@ -241,8 +242,12 @@ def parse_generate(body: Any) -> GenerateRequest:
     sp = check_fields({} if sp is None else sp, GENERATE_SAMPLING_FIELDS, "sampling_params")
     if get_int(sp, "n", lo=1) not in (None, 1):
         raise bad("native /generate takes n = 1 only", "n")
+    constraint = parse_native_constraint(sp)
     renamed = {k: v for k, v in sp.items() if k not in ("max_new_tokens", "min_new_tokens", "n")}
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
-    return GenerateRequest(prompt, _parse_options(renamed, None, None))
+    opts = _parse_options(renamed, None, None)
+    if constraint is not None:
+        opts = replace(opts, params=replace(opts.params, constraint=constraint))
+    return GenerateRequest(prompt, opts)
