@@ -150,7 +150,7 @@ def test_bad_grammar_raises(backend: GrammarBackend) -> None:
 
 @pytest.fixture()
 def compiler(backend: GrammarBackend) -> Iterator[GrammarCompiler]:
-    c = GrammarCompiler(backend, num_threads=2)
+    c = GrammarCompiler(lambda: backend, num_threads=2)
     yield c
     c.close()
 

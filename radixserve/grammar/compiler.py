@@ -4,13 +4,17 @@ Owns: the worker pool and the compiled-grammar cache (LRU-bounded). The schedule
 `request(constraint)` when a constrained request arrives and `poll(constraint)` while it
 waits: the step loop never blocks on a compile. Identical specs compile once, even when their
 requests arrive together (one future per key).
+The backend (the tokenizer's llguidance view, ~1 s to build) is created on the first compile,
+on a worker thread: engines that never see a constrained request never pay for it.
 Does not know: requests, batches, tensors.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from radixserve.constraints import Constraint
@@ -25,9 +29,11 @@ class CompileFailed:
 
 
 class GrammarCompiler:
-    def __init__(self, backend: GrammarBackend, num_threads: int = 1,
+    def __init__(self, backend_factory: Callable[[], GrammarBackend], num_threads: int = 1,
                  max_cached: int = MAX_CACHED) -> None:
-        self.backend = backend
+        self._backend_factory = backend_factory
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
         self._futures: dict[str, Future[CompiledGrammar]] = {}  # in flight
         self._done: OrderedDict[str, CompiledGrammar | CompileFailed] = OrderedDict()
@@ -42,7 +48,19 @@ class GrammarCompiler:
             self.counters["grammar_cache_hits"] += 1
         elif key not in self._futures:
             self.counters["grammar_compiles"] += 1
-            self._futures[key] = self._pool.submit(self.backend.compile, constraint)
+            self._futures[key] = self._pool.submit(self._compile, constraint)
+
+    def _compile(self, constraint: Constraint) -> CompiledGrammar:  # on a worker thread
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+        return self._backend.compile(constraint)
+
+    def wait_any(self, timeout: float) -> None:
+        """Block up to `timeout` s until some compile in flight finishes (an idle engine
+        waiting only on grammars sleeps here instead of spinning)."""
+        if self._futures:
+            wait(list(self._futures.values()), timeout, FIRST_COMPLETED)
 
     def poll(self, constraint: Constraint) -> CompiledGrammar | CompileFailed | None:
         """The compiled grammar, the failure, or None while still compiling."""
