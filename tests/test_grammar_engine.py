@@ -14,9 +14,10 @@ import pytest
 
 from bench.grammar_schemas import SCHEMAS
 from radixserve.constraints import Constraint, ConstraintKind
-from radixserve.engine import LLM, GenerationResult
+from radixserve.engine.llm import LLM, RequestOutput
+from radixserve.ipc.messages import GenerateMsg
 from radixserve.tokenizer import encode_chat
-from radixserve.types import FinishReason, SamplingParams
+from radixserve.types import InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.smollm2
 
@@ -33,7 +34,7 @@ def chat(llm: LLM, text: str) -> list[int]:
 
 
 def run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
-                ) -> list[GenerationResult]:
+                ) -> list[RequestOutput]:
     results = llm.generate(prompts, params)
     llm.engine.check_integrity()
     assert llm.kv_stats()["kv_held_tokens"] == 0
@@ -56,7 +57,7 @@ def test_50_requests_over_10_schemas_all_validate(llm: LLM) -> None:
     results = run_checked(llm, prompts, params)
     assert len(results) == 50
     for res, schema in zip(results, schemas, strict=True):
-        assert res.finish_reason is FinishReason.STOP, res.text
+        assert res.finish_reason == "stop", res.text
         jsonschema.validate(json.loads(res.text), schema)
 
 
@@ -80,7 +81,7 @@ def test_regex_choice_and_ebnf_outputs_match(llm: LLM) -> None:
             checks.append(check)
     for res, check in zip(run_checked(llm, prompts, params), checks, strict=True):
         assert check(res.text), res.text
-        assert res.finish_reason is FinishReason.STOP
+        assert res.finish_reason == "stop"
 
 
 def test_32_constrained_and_32_unconstrained_in_one_run(llm: LLM) -> None:
@@ -98,18 +99,39 @@ def test_32_constrained_and_32_unconstrained_in_one_run(llm: LLM) -> None:
         if i % 2 == 0:
             jsonschema.validate(json.loads(res.text), schema)
         else:
-            assert res.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-            assert len(res.output_ids) >= 1
+            assert res.finish_reason in ("stop", "length")
+            assert len(res.token_ids) >= 1
+
+
+def test_bad_constraint_raises_before_anything_is_queued(llm: LLM) -> None:
+    bad = SamplingParams(max_tokens=8, constraint=Constraint(ConstraintKind.LARK, "start: nope"))
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([chat(llm, "Hi")], bad)
+    assert info.value.param == "constraint" and "nope" in str(info.value)
+    assert not llm.engine.has_work()
 
 
 def test_grammar_failing_in_the_engine_fails_only_its_request(llm: LLM) -> None:
+    """The API process validates first; should the engine still fail to compile a grammar,
+    only that request ends (with an error), and the batch runs on."""
+    engine = llm.engine
+    prompt = chat(llm, "Yes or no?")
     good = SamplingParams(temperature=0, max_tokens=8, constraint=Constraint(
         ConstraintKind.CHOICE, choices=("yes", "no")))
     bad = SamplingParams(max_tokens=8, constraint=Constraint(ConstraintKind.LARK, "start: nope"))
     plain = SamplingParams(temperature=0, max_tokens=4)
-    prompt = chat(llm, "Yes or no?")
-    ok, failed, free = run_checked(llm, [prompt] * 3, [good, bad, plain])
-    assert ok.text in ("yes", "no") and ok.error is None
-    assert failed.output_ids == [] and failed.finish_reason is FinishReason.ABORT
-    assert failed.error is not None and "nope" in failed.error
-    assert 1 <= len(free.output_ids) <= 4 and free.error is None
+    for rid, params in (("good", good), ("bad", bad), ("plain", plain)):
+        engine.add_request(GenerateMsg(rid, prompt, params))
+    tokens: dict[str, list[int]] = {"good": [], "bad": [], "plain": []}
+    errors: dict[str, str | None] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens[out.rid].append(out.token_id)
+            if out.finish_reason is not None:
+                errors[out.rid] = out.error
+    engine.check_integrity()
+    assert tokens["bad"] == [] and errors["bad"] is not None and "nope" in errors["bad"]
+    assert errors["good"] is None and llm.tokenizer.decode(
+        tokens["good"], skip_special_tokens=True) in ("yes", "no")
+    assert errors["plain"] is None and 1 <= len(tokens["plain"]) <= 4
