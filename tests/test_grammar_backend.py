@@ -39,10 +39,16 @@ def allowed(m: Matcher) -> set[int]:
     return set((~disallowed_tokens(bits, VOCAB))[0].nonzero().flatten().tolist())
 
 
+def is_allowed(m: Matcher, token: int) -> bool:
+    bits = torch.zeros(1, bitmask_width(VOCAB), dtype=torch.int32)
+    m.fill_row(bits, 0)
+    return bool((int(bits[0, token // 32]) >> (token % 32)) & 1)
+
+
 def feed(m: Matcher, tok: PreTrainedTokenizerBase, text: str) -> bool:
     """Accept text token by token, checking each token was in the mask first."""
     for t in tok.encode(text, add_special_tokens=False):
-        if t not in allowed(m) or not m.accept(t):
+        if not is_allowed(m, t) or not m.accept(t):
             return False
     return True
 
