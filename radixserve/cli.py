@@ -16,6 +16,7 @@ from typing import Any
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    EVICTION_POLICIES,
     SCHEDULE_POLICIES,
     ConfigError,
     EngineConfig,
@@ -38,6 +39,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
     ("--seed", int, "seed", "engine random seed"),
     ("--num-threads", int, "num_threads", "torch CPU threads"),
+    ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
+    ("--tenant-cache-quota", float, "tenant_cache_quota",
+     "fraction of the KV pool one API key may keep cached before it is evicted first"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),

@@ -29,8 +29,12 @@ class Engine:
         pool = self.runner.pool
         self.allocator = PageAllocator(pool.size.num_pages, pool.size.page_size)
         self._events: list[CacheEvent] = []
-        self.cache = RadixCache(pool.size.page_size, disabled=cfg.disable_radix_cache,
-                                on_event=self._events.append if cfg.enable_kv_events else None)
+        quota = cfg.tenant_cache_quota
+        self.cache = RadixCache(
+            pool.size.page_size, disabled=cfg.disable_radix_cache,
+            on_event=self._events.append if cfg.enable_kv_events else None,
+            eviction_policy=cfg.eviction_policy,
+            tenant_quota_tokens=None if quota is None else int(quota * pool.size.num_slots))
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, ReqTable(pool.slot_table),
                                    self.runner.max_model_len, self.runner.spec.vocab_size,
                                    self.runner.eos_token_ids)
@@ -53,7 +57,7 @@ class Engine:
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
-        self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt)
+        self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt, msg.priority)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
