@@ -4,9 +4,6 @@ Owns: `create_app(cfg)`, the ONE shared ClientSession and the health task (clean
 admin guard, /health, /metrics, /workers, /flush_cache. Does not know: how a worker is chosen
 (routing.py) or how bytes are relayed (proxy.py).
 
-`PUT /workers` {"url", "group", "weight"} moves a worker between canary groups and/or sets a
-group's share of sessions live (canary.py); `POST /workers` takes the same optional fields.
-
 Admin routes (/workers, /flush_cache) need `Authorization: Bearer <admin key>` when the router
 has one; /flush_cache forwards that header to every replica unchanged (so give replicas the
 same key, or leave their flush unguarded). Everything else passes the client's

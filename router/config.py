@@ -102,35 +102,6 @@ class RouterConfig:
     worker_groups: tuple[tuple[str, str], ...] = ()
     group_weights: tuple[tuple[str, float], ...] = ()
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.policy, PolicyName):
-            allowed = ", ".join(p.value for p in PolicyName)
-            raise ConfigError(f"unknown policy {self.policy!r}; supported: {allowed}")
-        for url in self.workers:
-            if normalize_worker_url(url) != url:
-                raise ConfigError(f"worker URL {url!r} is not normalized (normalize_worker_url)")
-        if len(set(self.workers)) != len(self.workers):
-            raise ConfigError(f"duplicate worker URLs in {list(self.workers)}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:
-            raise ConfigError("--kv-events needs --policy cache_aware")
-        for name in ("kv_block_size", "block_chars", "index_max_entries",
-                     "fail_threshold", "success_threshold"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                     "pending_ttl_s", "kv_stream_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:
-            raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
-        if self.balance_lambda < 0:
-            raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
-        if self.admin_key is not None and not self.admin_key:
-            raise ConfigError("admin_key must not be empty")
-        self._check_groups()
-
     def _check_groups(self) -> None:
         grouped = dict(self.worker_groups)
         weights = dict(self.group_weights)
@@ -153,3 +124,32 @@ class RouterConfig:
                 raise ConfigError(f"--weight: group {group!r} has no weight (--worker URL "
                                   f"--weight SHARE, or --worker URL@{group}:PERCENT)")
         check_total_share(weights, "--weight")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, PolicyName):
+            allowed = ", ".join(p.value for p in PolicyName)
+            raise ConfigError(f"unknown policy {self.policy!r}; supported: {allowed}")
+        for url in self.workers:
+            if normalize_worker_url(url) != url:
+                raise ConfigError(f"worker URL {url!r} is not normalized (normalize_worker_url)")
+        if len(set(self.workers)) != len(self.workers):
+            raise ConfigError(f"duplicate worker URLs in {list(self.workers)}")
+        self._check_groups()
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:
+            raise ConfigError("--kv-events needs --policy cache_aware")
+        for name in ("kv_block_size", "block_chars", "index_max_entries",
+                     "fail_threshold", "success_threshold"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
+                     "pending_ttl_s", "kv_stream_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:
+            raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
+        if self.balance_lambda < 0:
+            raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
+        if self.admin_key is not None and not self.admin_key:
+            raise ConfigError("admin_key must not be empty")
