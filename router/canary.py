@@ -195,7 +195,8 @@ class TrafficSplit:
     def shares(self) -> dict[str, float]:
         """Every group's share of sessions, named groups by name, then stable."""
         named = {g: self._shares[g] for g in sorted(self._shares)}
-        return {**named, STABLE_GROUP: max(0.0, 1.0 - sum(named.values()))}
+        # Rounded: 0.7 + 0.2 + 0.1 leaves 1e-16, not a share anyone configured.
+        return {**named, STABLE_GROUP: max(0.0, round(1.0 - sum(named.values()), 12))}
 
     def group_at(self, point: float) -> str:
         edge = 0.0

@@ -11,7 +11,7 @@ import pytest
 
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster
 from router.__main__ import build_parser, config_from_args, main
-from router.canary import SESSION_HEADER, session_key, split_point
+from router.canary import SESSION_HEADER, SplitUpdateError, session_key, split_point
 from router.config import ConfigError, PolicyName, RouterConfig
 from router.route_key import Prompt, RequestKind, extract_prompt
 from router.routing import Router
@@ -130,7 +130,7 @@ async def test_a_session_stays_in_its_group() -> None:
 
 
 async def test_a_conversation_without_ids_sticks_by_its_first_messages() -> None:
-    router = canary_router(0.5)
+    router = canary_router(0.5, PolicyName.ROUND_ROBIN)  # no prefix affinity to help
     in_canary = 0
     for i in range(60):
         messages = [{"role": "system", "content": "You are terse."},
@@ -197,6 +197,35 @@ async def test_a_group_with_no_routable_worker_falls_back_and_counts_it() -> Non
     back = next(i for i in range(200)
                 if router.split.group_at(split_point(f"s{i}".encode())) == "canary")
     assert await route(router, {"prompt": "x"}, f"s{back}") == C
+
+
+def test_split_updates_check_everything_first_and_keep_error_counts() -> None:
+    router = canary_router(0.1)
+    split, s1, c = router.split, router.pool.get(S1), router.pool.get(C)
+    assert s1 is not None and c is not None
+    for worker, group, share, param in ((s1, "beta", None, "weight"),  # new group, no share
+                                        (s1, "beta", 0.95, "weight"),  # 0.1 + 0.95 > 1
+                                        (None, "beta", 0.1, "group"),  # no such group
+                                        (None, None, 0.1, "group"),
+                                        (s1, "bad name", 0.1, "group"),
+                                        (s1, None, 0.1, "weight"),  # s1 is stable
+                                        (c, None, True, "weight")):
+        with pytest.raises(SplitUpdateError) as err:
+            split.update(worker, group, share)
+        assert err.value.param == param
+    assert split.shares() == {"canary": 0.1, "stable": 0.9}
+    assert split.group_of(S1) == "stable"
+    split.update(s1, "beta", 0.2)
+    split.update(None, "canary", 0.7)
+    assert split.shares() == {"beta": 0.2, "canary": 0.7, "stable": 0.1}
+    assert [split.group_at(p) for p in (0.0, 0.19, 0.2, 0.89, 0.9, 0.999)] == [
+        "beta", "beta", "canary", "canary", "stable", "stable"]
+    c.num_errors = 3  # as the proxy counts them
+    split.update(c, "stable", None)  # the canary keeps the errors made while in it
+    c.num_errors = 5
+    views = {v.name: v for v in split.views(router.pool.all())}
+    assert (views["canary"].errors, views["stable"].errors) == (3, 2)
+    assert views["canary"].workers == [] and views["stable"].workers == [S2, C]
 
 
 # --- over HTTP ---------------------------------------------------------------------------
