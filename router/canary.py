@@ -106,7 +106,7 @@ def parse_worker_flags(flags: Iterable[tuple[str, str]]) -> WorkerSetup:
 
 def _bearer_token(authorization: str | None) -> str | None:
     scheme, _, token = (authorization or "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def _prompt_head(prompt: Prompt, block_chars: int, kv_block_size: int) -> bytes | None:
@@ -172,7 +172,8 @@ class GroupView(NamedTuple):
 
 
 class TrafficSplit:
-    """Groups, shares and per-group counters; the Router is its only caller."""
+    """Groups, shares and per-group counters. Owned by the Router (`router.split`): routing
+    reads it in choose() and counts in record(); admin handlers change it with update()."""
 
     def __init__(self, workers: Sequence[str], worker_groups: Sequence[tuple[str, str]],
                  group_weights: Sequence[tuple[str, float]]) -> None:
