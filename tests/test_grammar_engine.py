@@ -13,7 +13,13 @@ import jsonschema
 import pytest
 
 from bench.grammar_schemas import SCHEMAS
-from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.constraints import (
+    Constraint,
+    ConstraintKind,
+    ToolCallConstraint,
+    ToolDef,
+    ToolMode,
+)
 from radixserve.engine.llm import LLM, RequestOutput
 from radixserve.engine.loop import EngineLoop
 from radixserve.ipc.messages import EngineErrorMsg, GenerateMsg, TokenBatchMsg
@@ -161,3 +167,36 @@ def test_engine_loop_turns_an_error_output_into_a_400_for_that_request() -> None
     EngineLoop(_OneStepEngine([ok, failed]), sent.append).step()  # type: ignore[arg-type]
     assert sent == [EngineErrorMsg("invalid constraint: x", rid="b", status=400),
                     TokenBatchMsg([ok])]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city"]}
+CLOCK = {"type": "object", "properties": {"timezone": {"type": "string"}},
+         "required": ["timezone"]}
+HERMES_CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>")
+
+
+def test_required_and_named_tool_calls_always_validate(llm: LLM) -> None:
+    tools = (ToolDef("get_weather", json.dumps(WEATHER)), ToolDef("get_time", json.dumps(CLOCK)))
+    schemas = {"get_weather": WEATHER, "get_time": CLOCK}
+    system = ('Tools: get_weather(city, unit), get_time(timezone). Call one as <tool_call>\n'
+              '{"name": ..., "arguments": {...}}\n</tool_call>')
+    prompts, params = [], []
+    for question in ("Weather in Paris?", "What time is it in Tokyo?", "Tell me a joke."):
+        for mode, allowed in ((ToolMode.REQUIRED, tools), (ToolMode.NAMED, tools[:1])):
+            prompts.append(encode_chat(llm.tokenizer, [{"role": "system", "content": system},
+                                                       {"role": "user", "content": question}]))
+            params.append(SamplingParams(temperature=0, max_tokens=100, constraint=Constraint(
+                ConstraintKind.TOOL_CALLS, tool_calls=ToolCallConstraint(allowed, mode))))
+    for res, p in zip(run_checked(llm, prompts, params), params, strict=True):
+        assert res.finish_reason == "stop", res.text
+        bodies = HERMES_CALL.findall(res.text)
+        # nothing but calls, "\n" between parallel ones
+        assert bodies and res.text == "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
+        for body in bodies:
+            call = json.loads(body)
+            assert p.constraint is not None and p.constraint.tool_calls is not None
+            if p.constraint.tool_calls.mode is ToolMode.NAMED:
+                assert call["name"] == "get_weather"
+            jsonschema.validate(call["arguments"], schemas[call["name"]])
