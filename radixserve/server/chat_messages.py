@@ -53,8 +53,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     if call.get("type", "function") != "function":
         raise bad(f"'{where}.type' must be \"function\", got {call.get('type')!r}",
                   f"{where}.type")
-    fn = call.get("function")
-    check_fields(fn, frozenset({"name", "arguments"}), f"{where}.function")
+    fn = check_fields(call.get("function"), frozenset({"name", "arguments"}), f"{where}.function")
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise bad(f"'{where}.function.name' must be a non-empty string",
                   f"{where}.function.name")

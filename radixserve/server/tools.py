@@ -72,9 +72,9 @@ def _tool(value: Any, i: int) -> ToolDef:
     if value.get("type") != "function":
         raise bad(f"'{where}.type' must be \"function\" (the only tool type supported), got "
                   f"{value.get('type')!r}", f"{where}.type")
-    fn = value.get("function")
-    check_fields(fn, frozenset({"name", "description", "parameters", "strict"}),
-                 f"{where}.function")
+    fn = check_fields(value.get("function"),
+                      frozenset({"name", "description", "parameters", "strict"}),
+                      f"{where}.function")
     name = fn.get("name")
     if not isinstance(name, str) or not FUNCTION_NAME.match(name):
         raise bad(f"'{where}.function.name' must be 1-64 letters, digits, '_', '-' or '.', "
