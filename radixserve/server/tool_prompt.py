@@ -57,8 +57,9 @@ def _native(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for msg in messages:
         if msg.get("tool_calls"):
-            calls: list[dict[str, Any]] = [{"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
-                     for n, a, cid in _calls(msg)]
+            calls: list[dict[str, Any]] = [
+                {"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
+                for n, a, cid in _calls(msg)]
             names.update((c["id"], c["function"]["name"]) for c in calls)
             out.append({"role": "assistant", "content": msg["content"], "tool_calls": calls})
         elif msg["role"] == "tool":
