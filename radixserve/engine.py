@@ -8,23 +8,35 @@ text (LLM decodes with the tokenizer only for convenience).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
+from radixserve.grammar.backend import GrammarBackend
+from radixserve.grammar.compiler import GrammarCompiler
 from radixserve.messages import GenerateMsg
 from radixserve.model_runner import ModelRunner
 from radixserve.scheduler import Scheduler
 from radixserve.types import FinishReason, SamplingParams, TokenLogprobs, TokenOutput
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005  # an engine with nothing to run but grammars compiling sleeps this long
+
+
+def _grammar_backend(hf_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
+    from radixserve.tokenizer import load_tokenizer
+
+    return GrammarBackend(load_tokenizer(hf_dir), vocab_size, eos_ids)
 
 
 class Engine:
@@ -36,9 +48,12 @@ class Engine:
         self._events: list[CacheEvent] = []
         self.cache = RadixCache(pool.size.page_size, disabled=cfg.disable_radix_cache,
                                 on_event=self._events.append if cfg.enable_kv_events else None)
+        r = self.runner
+        self.grammars = GrammarCompiler(functools.partial(
+            _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids))
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, ReqTable(pool.slot_table),
-                                   self.runner.max_model_len, self.runner.spec.vocab_size,
-                                   self.runner.eos_token_ids)
+                                   r.max_model_len, r.spec.vocab_size, r.eos_token_ids,
+                                   self.grammars)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -69,6 +84,8 @@ class Engine:
     def step(self) -> list[TokenOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.scheduler.waiting_on_grammars():
+                self.grammars.wait_any(GRAMMAR_WAIT_S)
             return self.scheduler.drain_aborted()
         result = self.runner.run(batch)
         return self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
@@ -112,6 +129,7 @@ class GenerationResult:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None  # the request failed (e.g. its grammar did not compile)
     ttft: float = 0.0  # seconds from submission to the first token
     latency: float = 0.0
 
@@ -161,6 +179,7 @@ class LLM:
                     res.logprobs.append(out.logprobs)
                 if out.finish_reason is not None:
                     res.finish_reason, res.latency = out.finish_reason, now
+                    res.error = out.error
         for res in results.values():
             text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             res.text = text if isinstance(text, str) else "".join(text)

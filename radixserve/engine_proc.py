@@ -7,7 +7,8 @@ Loop shape: drain the inbox (without blocking while the engine has work, blockin
 stats interval while idle, so an idle engine costs nothing), run one `step()`, send one
 TokenBatchMsg with every output of that step, then cache events and (periodically, and when the
 engine goes idle) an EngineStatsMsg. A per-request InvalidRequestError becomes
-EngineErrorMsg(rid); anything else is fatal: EngineErrorMsg(None), then the process exits.
+EngineErrorMsg(rid), and so does an output carrying an error (a grammar that failed to compile
+in the engine: status 400); anything else is fatal: EngineErrorMsg(None), then the process exits.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class EngineLoop:
 
     def step(self) -> None:
         outputs = self.engine.step()
+        for out in outputs:
+            if out.error is not None:
+                self._send(EngineErrorMsg(out.error, rid=out.rid, status=400))
+        outputs = [out for out in outputs if out.error is None]
         if outputs:
             self._send(TokenBatchMsg(outputs))
         events = self.engine.drain_cache_events()

@@ -4,6 +4,9 @@ Owns: the sampling math, vectorized over the batch (per-request Python work only
 requests that ask for penalties or a seed). Does not know: the model, the KV cache.
 Reads Req (token ids, params); never writes it.
 
+Grammar-constrained rows (req.grammar set) are masked first: one bitmask for the batch, one
+vectorized masked_fill (radixserve/grammar/mask.py); the matchers are only read here.
+
 Seeds are stateless: a seeded request's generator is reseeded from (seed, tokens so far) at
 every step, so a preempted and recomputed request samples exactly what it would have.
 """
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.grammar.mask import apply_mask, build_mask
 from radixserve.types import Req, TokenLogprobs
 
 
@@ -38,8 +42,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
         """logits: (B, vocab) float32, one row per request, in order."""
+        raw = logits
+        mask = build_mask([r.grammar for r in reqs], logits.shape[-1], logits.device)
+        if mask is not None:
+            # Logprobs stay those of the raw model distribution; copy only when one is asked.
+            wants_raw = any(r.grammar is not None and r.params.logprobs is not None for r in reqs)
+            with torch.inference_mode():  # logits come out of the forward as inference tensors
+                logits = logits.clone() if wants_raw else logits
+                apply_mask(logits, mask)
         token_ids = self._choose(logits, reqs)
-        return SampleResult(token_ids, self._logprobs(logits, reqs, token_ids))
+        return SampleResult(token_ids, self._logprobs(raw, reqs, token_ids))
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         params = [r.params for r in reqs]
@@ -49,7 +61,8 @@ class Sampler:
         for i, r in enumerate(reqs):
             if r.params.needs_penalties:
                 self._apply_penalties(logits[i], r)
-            if r.num_output_tokens < r.params.min_tokens:
+            if r.num_output_tokens < r.params.min_tokens and r.grammar is None:
+                # (a grammar decides where a constrained output may end)
                 banned = list(r.params.stop_token_ids) + list(self.eos_token_ids)
                 logits[i, banned] = float("-inf")
         token_ids = _greedy(logits)  # (B,)

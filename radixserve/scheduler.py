@@ -9,10 +9,17 @@ One step is either EXTEND (prefill chunks of waiting/partially prefilled request
 policy, sharing-aware) or DECODE (one token for every running request). After a decode-heavy
 stretch a new extend goes first; after an extend, running requests get a decode step, so a
 long prefill never starves running streams.
+
+Grammar-constrained requests: the grammar compiles off the step loop (GrammarCompiler); a
+request waits in the queue until its grammar is ready (the batch never waits), gets its
+matcher at admission, advances it with each sampled token here (the sampler only reads it)
+and drops it at finish. A grammar that fails to compile ends its request with an error
+output (the engine process turns it into a 400 for that request only).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -20,6 +27,7 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
+from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
 from radixserve.sched_memory import MemoryManager
 from radixserve.sched_policy import order_waiting, shares_uncached_prefix
 from radixserve.types import (
@@ -34,12 +42,15 @@ from radixserve.types import (
     TokenOutput,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
                  req_table: ReqTable, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None) -> None:
         self.cfg = cfg
+        self.grammars = grammars
         self.mem = MemoryManager(allocator, cache, req_table, cfg.disable_radix_cache)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -49,6 +60,7 @@ class Scheduler:
         self.running: list[Req] = []  # decoding
         self.reqs: dict[str, Req] = {}
         self.aborted: list[Req] = []  # finished by abort, reported at the next step
+        self.failed: list[tuple[Req, str]] = []  # grammar failed to compile: (req, why)
         self.last_phase = Phase.DECODE
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0,
@@ -73,6 +85,10 @@ class Scheduler:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {n + max_new} tokens ({n} in the prompt, {max_new} in the "
                 f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("constrained decoding is not available", "constraint")
+            self.grammars.request(params.constraint)
         req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=n, params=params,
                   max_new_tokens=max_new, cache_salt=cache_salt, arrival=time.monotonic())
         self.reqs[rid] = req
@@ -83,6 +99,7 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None or req.status is ReqStatus.FINISHED:
             return
+        self.failed = [(r, why) for r, why in self.failed if r is not req]
         if req in self.waiting:
             self.waiting.remove(req)
         else:
@@ -92,7 +109,14 @@ class Scheduler:
         self.aborted.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.aborted)
+        return bool(self.waiting or self.prefilling or self.running or self.aborted
+                    or self.failed)
+
+    def waiting_on_grammars(self) -> bool:
+        """Nothing can run until some grammar compiles (the engine may sleep on it)."""
+        return (not self.running and not self.prefilling and bool(self.waiting)
+                and all(r.params.constraint is not None and r.grammar is None
+                        for r in self.waiting))
 
     # ---- forming batches -----------------------------------------------------------------
 
@@ -139,6 +163,8 @@ class Scheduler:
         for req in order_waiting(self.waiting, matches, self.cfg.schedule_policy):
             if budget <= 0 or len(self.running) + len(self.prefilling) >= self.cfg.max_running_requests:
                 break
+            if not self._grammar_ready(req):
+                continue  # still compiling (or failed): it waits, the batch does not
             cached = matches.get(req.rid, 0)
             if reqs and shares_uncached_prefix(req, cached, reqs):
                 continue
@@ -164,6 +190,26 @@ class Scheduler:
         if newly:
             for req in self.waiting:  # passed over this round: ages towards the guard
                 req.extra["skips"] = req.extra.get("skips", 0) + 1
+        for req, _ in self.failed:
+            if req.status is ReqStatus.WAITING:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.ABORT)
+
+    def _grammar_ready(self, req: Req) -> bool:
+        """Give req its matcher once its grammar compiled. False while it cannot run."""
+        constraint = req.params.constraint
+        if constraint is None or req.grammar is not None:
+            return True  # a retracted request keeps its matcher, exact with its output
+        assert self.grammars is not None
+        compiled = self.grammars.poll(constraint)
+        if compiled is None:
+            return False
+        if isinstance(compiled, CompileFailed):
+            if all(r is not req for r, _ in self.failed):
+                self.failed.append((req, compiled.message))
+            return False
+        req.grammar = compiled.matcher()
+        return True
 
     def _future_tokens(self, req: Req) -> int:
         return int(min(req.remain_tokens, 4096) * self.mem.new_token_ratio)
@@ -221,8 +267,7 @@ class Scheduler:
 
     def process_outputs(self, batch: Batch, token_ids: list[int],
                         logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
-        outputs: list[TokenOutput] = [self._abort_output(r) for r in self.aborted]
-        self.aborted.clear()
+        outputs = self.drain_aborted()
         sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=False))
         self.counters["computed_tokens"] += batch.num_tokens
         for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample, strict=False):
@@ -249,20 +294,31 @@ class Scheduler:
         return outputs
 
     def drain_aborted(self) -> list[TokenOutput]:
+        """Outputs of requests that ended without a forward: aborted, or grammar failed."""
         outputs = [self._abort_output(r) for r in self.aborted]
         self.aborted.clear()
+        outputs += [self._abort_output(r, f"invalid constraint: {why}") for r, why in self.failed]
+        self.failed.clear()
         return outputs
 
-    def _abort_output(self, req: Req) -> TokenOutput:
+    def _abort_output(self, req: Req, error: str | None = None) -> TokenOutput:
         return TokenOutput(req.rid, None, FinishReason.ABORT, req.num_prompt_tokens,
-                           req.num_cached_tokens)
+                           req.num_cached_tokens, error=error)
 
     def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
+        if req.grammar is not None and not req.grammar.accept(token):
+            # The mask allowed only grammar tokens: a bug, not a user error. End this request
+            # rather than the engine.
+            logger.error("%s: token %d outside its grammar: %s", req.rid, token,
+                         req.grammar.error)
+            return FinishReason.STOP
         if req.num_output_tokens >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             return FinishReason.STOP
+        if req.grammar is not None and req.grammar.terminated:
+            return FinishReason.STOP  # the grammar admits nothing more
         if req.num_output_tokens >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -276,6 +332,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+        req.grammar = None  # the matcher's lifetime ends with the request
         del self.reqs[req.rid]
 
     def check_integrity(self) -> None:

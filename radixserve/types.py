@@ -16,6 +16,7 @@ from radixserve.constraints import Constraint
 
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import TreeNode
+    from radixserve.grammar.backend import Matcher
 
 
 class InvalidRequestError(ValueError):
@@ -138,6 +139,10 @@ class Req:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     slots: list[int] = field(default_factory=list)
+    # The grammar state of a constrained request: set at admission once its grammar compiled,
+    # advanced with each output token, dropped at finish. Kept across retraction (the output
+    # tokens are kept too, so it stays exact).
+    grammar: Matcher | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -200,3 +205,4 @@ class TokenOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: TokenLogprobs | None = None
+    error: str | None = None  # the request failed (a 400, e.g. its grammar did not compile)

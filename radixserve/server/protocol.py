@@ -10,8 +10,7 @@ harmless, accepted at its no-op value, otherwise rejected by name).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from radixserve.constraints import Constraint
@@ -26,6 +25,7 @@ from radixserve.server.fields import (
     is_int,
     parse_token_ids,
 )
+from radixserve.server.native_constraints import NATIVE_CONSTRAINT_FIELDS, parse_native_constraint
 from radixserve.server.response_format import parse_response_format
 from radixserve.server.tools import ToolsSpec, parse_tools
 from radixserve.types import SamplingParams
@@ -53,7 +53,7 @@ CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs", "respons
                                 "tools", "tool_choice", "parallel_tool_calls"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream"})
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
-    "max_new_tokens", "min_new_tokens", "n",
+    "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
 }
 
 
@@ -193,8 +193,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 def _with_constraint(opts: RequestOptions, constraint: Constraint | None) -> RequestOptions:
     if constraint is None:
         return opts
-    return dataclasses.replace(
-        opts, params=dataclasses.replace(opts.params, constraint=constraint))
+    return replace(opts, params=replace(opts.params, constraint=constraint))
 
 
 def parse_chat(body: Any, call_format: str = "hermes") -> ChatRequest:
@@ -234,8 +233,12 @@ def parse_generate(body: Any) -> GenerateRequest:
     sp = check_fields({} if sp is None else sp, GENERATE_SAMPLING_FIELDS, "sampling_params")
     if get_int(sp, "n", lo=1) not in (None, 1):
         raise bad("native /generate takes n = 1 only", "n")
+    constraint = parse_native_constraint(sp)
     renamed = {k: v for k, v in sp.items() if k not in ("max_new_tokens", "min_new_tokens", "n")}
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
-    return GenerateRequest(prompt, _parse_options(renamed, None, None))
+    opts = _parse_options(renamed, None, None)
+    if constraint is not None:
+        opts = replace(opts, params=replace(opts.params, constraint=constraint))
+    return GenerateRequest(prompt, opts)

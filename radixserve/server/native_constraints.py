@@ -1,0 +1,56 @@
+"""Native /generate's constraint fields in `sampling_params`, with SGLang's names.
+
+Owns: `json_schema` (a JSON-schema object or its JSON text), `regex` (string), `choice` (list
+of strings), `ebnf` (string): at most one, mapped to a Constraint and validated with
+check_constraint, so a bad one is a 400 naming the field before anything is queued.
+Does not know: the engine, tokenizers, HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.grammar.validate import check_constraint
+from radixserve.server.fields import bad
+
+NATIVE_CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "ebnf")
+MAX_CHOICES = 1024
+
+
+def _string(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad(f"'{name}' must be a non-empty string", name)
+    return value
+
+
+def parse_native_constraint(sp: dict[str, Any]) -> Constraint | None:
+    """The constraint a /generate `sampling_params` asks for, validated; None when none."""
+    given = [f for f in NATIVE_CONSTRAINT_FIELDS if sp.get(f) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad(f"at most one of {', '.join(NATIVE_CONSTRAINT_FIELDS)} may be given, got "
+                  f"{' and '.join(given)}", given[1])
+    name = given[0]
+    value = sp[name]
+    if name == "json_schema":
+        if isinstance(value, (dict, bool)):
+            text = orjson.dumps(value).decode()
+        else:
+            text = _string(value, name)
+        constraint = Constraint(ConstraintKind.JSON_SCHEMA, text)
+    elif name == "regex":
+        constraint = Constraint(ConstraintKind.REGEX, _string(value, name))
+    elif name == "ebnf":
+        constraint = Constraint(ConstraintKind.EBNF, _string(value, name))
+    else:
+        if not (isinstance(value, list) and value and all(isinstance(s, str) and s for s in value)):
+            raise bad("'choice' must be a non-empty list of non-empty strings", name)
+        if len(value) > MAX_CHOICES:
+            raise bad(f"'choice' holds at most {MAX_CHOICES} strings, got {len(value)}", name)
+        constraint = Constraint(ConstraintKind.CHOICE, choices=tuple(dict.fromkeys(value)))
+    check_constraint(constraint, name)
+    return constraint
