@@ -60,7 +60,7 @@ def test_malformed_is_a_400_naming_response_format(value: Any, fragment: str) ->
     for parse, body in ((parse_chat, {"messages": [{"role": "user", "content": "hi"}]}),
                         (parse_completion, {"prompt": "hi"})):
         with pytest.raises(InvalidRequestError) as info:
-            parse({**body, "response_format": value})  # type: ignore[operator]
+            parse({**body, "response_format": value})
         assert info.value.param == "response_format" and info.value.status == 400
         assert fragment in str(info.value), str(info.value)
 

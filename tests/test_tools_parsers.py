@@ -155,3 +155,11 @@ def test_a_call_broken_after_its_name_streamed_is_not_taken_back() -> None:
     assert content == "" and calls == [{"name": "f", "arguments": '{"x": 1,}'}]
     assert finish == "tool_calls"
     assert tool_message(HERMES, text) == ({"role": "assistant", "content": text}, False)
+
+
+def test_a_call_cut_off_after_complete_ones_is_dropped() -> None:
+    cut = WEATHER + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert parse_tool_calls(HERMES, cut) == ParsedOutput(
+        None, (ToolCall("get_weather", '{"city": "Paris"}'),))
+    cut = '{"name": "a", "parameters": {}}; {"name": "a", "param'
+    assert parse_tool_calls(LLAMA3, cut) == ParsedOutput(None, (ToolCall("a", "{}"),))

@@ -16,9 +16,9 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
-TURN1 = [{"role": "system", "content": "Be brief."},
+TURN1: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
          {"role": "user", "content": "Weather in Paris?"}]
-TURN2 = [*TURN1,
+TURN2: list[dict[str, Any]] = [*TURN1,
          {"role": "assistant", "content": None, "tool_calls": [
              {"id": "call_9", "type": "function",
               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

@@ -29,7 +29,7 @@ from radixserve.server.testing import FakeEngine, InlineTransport
 from tests.tiny_models import make_tokenizer
 
 TOKENIZER = make_tokenizer()
-EOS = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+EOS = int(TOKENIZER.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -62,7 +62,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.asynccontextmanager
 async def serve(model_dir: Path, seen: list[GenerateMsg] | None = None,
-                **server_kwargs: Any) -> AsyncIterator[TestClient]:
+                **server_kwargs: Any) -> AsyncIterator[TestClient[Any, Any]]:
     cfg = ServerConfig(engine=EngineConfig(model=str(model_dir), max_model_len=4096),
                        **server_kwargs)
     record: list[GenerateMsg] = [] if seen is None else seen
@@ -76,12 +76,12 @@ async def serve(model_dir: Path, seen: list[GenerateMsg] | None = None,
         yield tc
 
 
-async def post(tc: TestClient, body: Any, path: str = "/v1/chat/completions") -> tuple[int, Any]:
+async def post(tc: TestClient[Any, Any], body: Any, path: str = "/v1/chat/completions") -> tuple[int, Any]:
     resp = await tc.post(path, data=orjson.dumps(body))
     return resp.status, orjson.loads(await resp.read())
 
 
-async def events(tc: TestClient, body: Any) -> list[dict[str, Any]]:
+async def events(tc: TestClient[Any, Any], body: Any) -> list[dict[str, Any]]:
     resp = await tc.post("/v1/chat/completions", data=orjson.dumps({**body, "stream": True}))
     assert resp.status == 200, await resp.text()
     lines = [x[6:] for x in (await resp.text()).split("\n\n") if x.startswith("data: ")]
@@ -131,7 +131,7 @@ async def test_openai_sdk_reads_calls_whole_and_streamed(model_dir: Path) -> Non
         kwargs: dict[str, Any] = {"model": "m", "messages": ECHO_CALL, "tools": [WEATHER],
                                   "tool_choice": "auto", "temperature": 0, "max_tokens": 120}
         resp = await client.chat.completions.create(**kwargs)
-        call = resp.choices[0].message.tool_calls[0]  # type: ignore[index]
+        call = resp.choices[0].message.tool_calls[0]
         assert resp.choices[0].finish_reason == "tool_calls"
         assert call.type == "function" and call.function.name == "get_weather"
         assert json.loads(call.function.arguments) == {"city": "Paris"}

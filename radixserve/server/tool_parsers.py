@@ -11,7 +11,9 @@ Formats (the engine's tool-call grammars write exactly these; see radixserve/gra
   </tool_call>`, one block per call; text before the first block is content.
 - llama3_json (Llama 3.1/3.2): `{"name": ..., "parameters": {...}}`, calls separated by "; ";
   the output is calls when it starts with "{" (or after a `<|python_tag|>`).
-A malformed call (bad JSON, no name, arguments not an object) leaves the whole output as text.
+A malformed call (bad JSON, no name, arguments not an object) leaves the whole output as text;
+a last call cut off (max_tokens) after complete ones is dropped (a weak model given
+parallel_tool_calls may repeat calls until the limit).
 """
 
 from __future__ import annotations
@@ -210,7 +212,10 @@ def parse_tool_calls(fmt: CallFormat, text: str) -> ParsedOutput:
     if opening is None:
         return ParsedOutput(text, ())
     calls = []
-    for scan in scan_calls(fmt, text, opening.calls_start):
+    scans = scan_calls(fmt, text, opening.calls_start)
+    if len(scans) > 1 and not scans[-1].done:
+        scans.pop()  # cut off by max_tokens after complete calls: keep those
+    for scan in scans:
         call = _valid_call(text, scan)
         if call is None:
             return ParsedOutput(text, ())

@@ -10,7 +10,9 @@ whitespace dropped; held back while it may still precede a call), and the stream
 fragments concatenate to exactly the non-streaming `arguments`. When the output opens a call
 but no call name ever completes, everything from the opening streams as content at the end,
 as the one-shot parse returns it as text. (A call whose JSON breaks after its name streamed
-cannot be taken back; the engine's grammar prevents that for tool_choice auto/required/named.)
+cannot be taken back; the engine's grammar prevents that for tool_choice auto/required/named.
+Nor can a last call cut off by max_tokens: its partial arguments went out, while the
+non-streaming message drops it.)
 """
 
 from __future__ import annotations
