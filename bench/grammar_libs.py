@@ -19,7 +19,7 @@ from llguidance.hf import from_tokenizer
 
 from bench.grammar_schemas import SCHEMAS
 from radixserve.grammar.spec import JSON_OPTIONS
-from radixserve.model.loader import resolve_model
+from radixserve.model_source import resolve_model
 from radixserve.tokenizer import load_tokenizer
 
 

@@ -14,7 +14,7 @@ from radixserve.constraints import Constraint, ConstraintKind, ToolCallConstrain
 from radixserve.grammar.backend import GrammarBackend, GrammarError, Matcher, bitmask_width
 from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
 from radixserve.grammar.mask import allowed_tokens, apply_mask, build_mask
-from radixserve.model.loader import resolve_model
+from radixserve.model_source import resolve_model
 from radixserve.tokenizer import load_tokenizer
 
 VOCAB = 49152

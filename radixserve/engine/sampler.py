@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.grammar.mask import apply_mask, build_mask
-from radixserve.types import Req, TokenLogprobs
+from radixserve.sched.req import Req
+from radixserve.types import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,137 @@
+"""Grammar-constrained decoding through the engine with SmolLM2 (fp32): every output is valid
+for its schema / regex / choice, constrained and unconstrained requests share batches, pages
+are all returned, a grammar that fails in the engine fails only its request."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+from bench.grammar_schemas import SCHEMAS
+from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.engine.llm import LLM, RequestOutput
+from radixserve.ipc.messages import GenerateMsg
+from radixserve.tokenizer import encode_chat
+from radixserve.types import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.smollm2
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    engine = LLM("smollm2-135m", dtype="float32", kv_cache_tokens=32768, num_threads=1)
+    yield engine
+    engine.engine.grammars.close()
+
+
+def chat(llm: LLM, text: str) -> list[int]:
+    return encode_chat(llm.tokenizer, [{"role": "user", "content": text}])
+
+
+def run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+                ) -> list[RequestOutput]:
+    results = llm.generate(prompts, params)
+    llm.engine.check_integrity()
+    assert llm.kv_stats()["kv_held_tokens"] == 0
+    return results
+
+
+def schema_constraint(schema: dict[str, Any]) -> Constraint:
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+
+
+def test_50_requests_over_10_schemas_all_validate(llm: LLM) -> None:
+    prompts, params, schemas = [], [], []
+    for schema, _ in SCHEMAS:
+        prompt = chat(llm, f"Reply with JSON for this schema: {json.dumps(schema)}")
+        for i in range(5):  # greedy once, then 4 sampled sequences (as n = 5 would send)
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=0 if i == 0 else 0.9, seed=i,
+                                         max_tokens=120, constraint=schema_constraint(schema)))
+            schemas.append(schema)
+    results = run_checked(llm, prompts, params)
+    assert len(results) == 50
+    for res, schema in zip(results, schemas, strict=True):
+        assert res.finish_reason == "stop", res.text
+        jsonschema.validate(json.loads(res.text), schema)
+
+
+def test_regex_choice_and_ebnf_outputs_match(llm: LLM) -> None:
+    cases = [
+        (Constraint(ConstraintKind.REGEX, r"[0-9]{3}-[0-9]{4}"), "A phone number:",
+         lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        (Constraint(ConstraintKind.REGEX, r"(Paris|Rome|Oslo), [A-Z][a-z]{2,9}"),
+         "A city and its country:", lambda t: re.fullmatch(r"(Paris|Rome|Oslo), [A-Z][a-z]{2,9}", t)),
+        (Constraint(ConstraintKind.CHOICE, choices=("positive", "negative", "neutral")),
+         "Sentiment of 'I love it':", lambda t: t in ("positive", "negative", "neutral")),
+        (Constraint(ConstraintKind.EBNF, 'root ::= "yes" | "no" | "maybe"'), "Is the sky blue?",
+         lambda t: t in ("yes", "no", "maybe")),
+    ]
+    prompts, params, checks = [], [], []
+    for constraint, question, check in cases:
+        for i in range(3):
+            prompts.append(chat(llm, question))
+            params.append(SamplingParams(temperature=0.0 if i == 0 else 1.0, seed=i,
+                                         max_tokens=30, constraint=constraint))
+            checks.append(check)
+    for res, check in zip(run_checked(llm, prompts, params), checks, strict=True):
+        assert check(res.text), res.text
+        assert res.finish_reason == "stop"
+
+
+def test_32_constrained_and_32_unconstrained_in_one_run(llm: LLM) -> None:
+    schema = SCHEMAS[0][0]
+    prompts, params = [], []
+    for i in range(64):
+        prompts.append(chat(llm, f"Person number {i} as JSON with a name and an age."))
+        constrained = i % 2 == 0
+        params.append(SamplingParams(
+            temperature=0.8, seed=i, max_tokens=48 if constrained else 12,
+            constraint=schema_constraint(schema) if constrained else None))
+    results = run_checked(llm, prompts, params)
+    assert llm.engine.stats()["num_running"] == 0
+    for i, res in enumerate(results):
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(res.text), schema)
+        else:
+            assert res.finish_reason in ("stop", "length")
+            assert len(res.token_ids) >= 1
+
+
+def test_bad_constraint_raises_before_anything_is_queued(llm: LLM) -> None:
+    bad = SamplingParams(max_tokens=8, constraint=Constraint(ConstraintKind.LARK, "start: nope"))
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([chat(llm, "Hi")], bad)
+    assert info.value.param == "constraint" and "nope" in str(info.value)
+    assert not llm.engine.has_work()
+
+
+def test_grammar_failing_in_the_engine_fails_only_its_request(llm: LLM) -> None:
+    """The API process validates first; should the engine still fail to compile a grammar,
+    only that request ends (with an error), and the batch runs on."""
+    engine = llm.engine
+    prompt = chat(llm, "Yes or no?")
+    good = SamplingParams(temperature=0, max_tokens=8, constraint=Constraint(
+        ConstraintKind.CHOICE, choices=("yes", "no")))
+    bad = SamplingParams(max_tokens=8, constraint=Constraint(ConstraintKind.LARK, "start: nope"))
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    for rid, params in (("good", good), ("bad", bad), ("plain", plain)):
+        engine.add_request(GenerateMsg(rid, prompt, params))
+    tokens: dict[str, list[int]] = {"good": [], "bad": [], "plain": []}
+    errors: dict[str, str | None] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens[out.rid].append(out.token_id)
+            if out.finish_reason is not None:
+                errors[out.rid] = out.error
+    engine.check_integrity()
+    assert tokens["bad"] == [] and errors["bad"] is not None and "nope" in errors["bad"]
+    assert errors["good"] is None and llm.tokenizer.decode(
+        tokens["good"], skip_special_tokens=True) in ("yes", "no")
+    assert errors["plain"] is None and 1 <= len(tokens["plain"]) <= 4
