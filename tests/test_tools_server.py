@@ -8,7 +8,6 @@ answer with that call (after the word "system": the template's role line).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -22,11 +21,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.constraints import Constraint, ConstraintKind, ToolMode
-from radixserve.engine_client import EngineClient
-from radixserve.messages import GenerateMsg
+from radixserve.ipc.client import EngineClient
+from radixserve.ipc.messages import GenerateMsg
 from radixserve.server.app import create_app
-from radixserve.server.testing import FakeEngine, InlineTransport
+from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from tests.tiny_models import make_tokenizer
+from tests.waiting import wait_until
 
 TOKENIZER = make_tokenizer()
 EOS = int(TOKENIZER.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
@@ -69,10 +69,10 @@ async def serve(model_dir: Path, seen: list[GenerateMsg] | None = None,
     transport = InlineTransport(lambda c: RecordingEngine(c, record), cfg.engine, 0.0)
     app = create_app(cfg, EngineClient(transport))
     async with TestClient(TestServer(app)) as tc:
-        for _ in range(500):
-            if (await tc.get("/health")).status == 200:
-                break
-            await asyncio.sleep(0.01)
+        async def healthy() -> bool:
+            return (await tc.get("/health")).status == 200
+
+        await wait_until(healthy, what="a healthy server")
         yield tc
 
 
