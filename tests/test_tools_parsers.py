@@ -163,3 +163,25 @@ def test_a_call_cut_off_after_complete_ones_is_dropped() -> None:
         None, (ToolCall("get_weather", '{"city": "Paris"}'),))
     cut = '{"name": "a", "parameters": {}}; {"name": "a", "param'
     assert parse_tool_calls(LLAMA3, cut) == ParsedOutput(None, (ToolCall("a", "{}"),))
+
+
+def test_streaming_scans_each_character_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long call (an agent writing a file) streamed token by token is not rescanned per
+    token: the call scanner steps over each character once in total."""
+    from radixserve.server import tool_json
+
+    steps = 0
+    real_step = tool_json.CallScanner._step
+
+    def counting(self: tool_json.CallScanner, c: str, i: int) -> None:
+        nonlocal steps
+        steps += 1
+        real_step(self, c, i)
+
+    monkeypatch.setattr(tool_json.CallScanner, "_step", counting)
+    body = json.dumps({"path": "a.py", "text": "x = {'a': [1, 2]}\n" * 1000})
+    text = f'<tool_call>\n{{"name": "write", "arguments": {body}}}\n</tool_call>'
+    content, calls, finish, _ = assemble(HERMES, text, 3)
+    assert (content, finish) == ("", "tool_calls")
+    assert calls == [{"name": "write", "arguments": body}]
+    assert steps <= len(text)

@@ -30,19 +30,27 @@ class CallScan:
         return self.end is not None
 
 
-class _Scanner:
-    """One left-to-right pass over text[start:]; text[start] must be "{"."""
+class CallScanner:
+    """A left-to-right pass over one call object that starts at text[start] ("{").
 
-    def __init__(self, text: str, start: int, args_keys: tuple[str, ...]) -> None:
-        assert text[start] == "{", "a call object starts with '{'"
-        self.text, self.start, self.args_keys = text, start, args_keys
+    Resumable: `advance(text)` continues where the previous call stopped, so a streamed
+    output is scanned once in total, not once per token. Every `text` passed must extend the
+    previous one (append-only), as a detokenized stream does.
+    """
+
+    def __init__(self, start: int, args_keys: tuple[str, ...]) -> None:
+        self.start, self.args_keys = start, args_keys
+        self.text = ""
+        self.pos = start  # next character to read
         self.name: str | None = None
         self.args_start: int | None = None
         self.args_end: int | None = None
+        self.end: int | None = None
         self.key: str | None = None
         self.expect_key = True
         self.val_start = -1  # start of the top-level value being read; -1: none
         self.val_done = False
+        self.depth, self.in_str, self.escaped, self.str_start = 0, False, False, -1
 
     def _finish_value(self, end: int) -> None:
         if self.val_start < 0 or self.val_done:
@@ -64,49 +72,53 @@ class _Scanner:
             if self.key in self.args_keys and self.args_start is None:
                 self.args_start = i
 
-    def _end_string(self, str_start: int, i: int, depth: int) -> None:
-        if depth != 1:
+    def _end_string(self, i: int) -> None:
+        if self.depth != 1:
             return
         if self.expect_key:
             try:
-                self.key = json.loads(self.text[str_start:i + 1])
+                self.key = json.loads(self.text[self.str_start:i + 1])
             except ValueError:
                 self.key = None
         else:
             self._finish_value(i + 1)
 
-    def run(self) -> CallScan:
-        text = self.text
-        depth, in_str, escaped, str_start = 0, False, False, -1
-        for i in range(self.start, len(text)):
-            c = text[i]
-            if in_str:
-                if escaped:
-                    escaped = False
-                elif c == "\\":
-                    escaped = True
-                elif c == '"':
-                    in_str = False
-                    self._end_string(str_start, i, depth)
-                continue
-            if c == '"':
-                in_str, str_start = True, i
-                if depth == 1:
-                    self._begin_value(i)
-            elif c in "{[":
-                if depth == 1:
-                    self._begin_value(i)
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 1:
-                    self._finish_value(i + 1)  # a nested value closed
-                elif depth == 0:
-                    self._finish_value(i)  # a pending number / literal ends here
-                    return self._result(i + 1)
-            elif depth == 1:
-                self._top_level_char(c, i)
-        return self._result(None)
+    def advance(self, text: str) -> CallScan:
+        assert text[self.start] == "{", "a call object starts with '{'"
+        self.text = text
+        i = self.pos
+        while self.end is None and i < len(text):
+            self._step(text[i], i)
+            i += 1
+        self.pos = i
+        return CallScan(self.start, self.name, self.args_start, self.args_end, self.end)
+
+    def _step(self, c: str, i: int) -> None:
+        if self.in_str:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_str = False
+                self._end_string(i)
+        elif c == '"':
+            self.in_str, self.str_start = True, i
+            if self.depth == 1:
+                self._begin_value(i)
+        elif c in "{[":
+            if self.depth == 1:
+                self._begin_value(i)
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            if self.depth == 1:
+                self._finish_value(i + 1)  # a nested value closed
+            elif self.depth == 0:
+                self._finish_value(i)  # a pending number / literal ends here
+                self.end = i + 1
+        elif self.depth == 1:
+            self._top_level_char(c, i)
 
     def _top_level_char(self, c: str, i: int) -> None:
         if c == ":":
@@ -117,13 +129,10 @@ class _Scanner:
         elif not c.isspace():
             self._begin_value(i)  # a number or a literal
 
-    def _result(self, end: int | None) -> CallScan:
-        return CallScan(self.start, self.name, self.args_start, self.args_end, end)
-
 
 def scan_call(text: str, start: int, args_keys: tuple[str, ...]) -> CallScan:
     """Scan the call object that begins at text[start] ("{"), complete or not."""
-    return _Scanner(text, start, args_keys).run()
+    return CallScanner(start, args_keys).advance(text)
 
 
 def skip_space(text: str, i: int) -> int:

@@ -60,7 +60,8 @@ class CallFormat:
     args_key: str = ""  # the key this format writes (history, instruction)
     instruction: str = ""  # fallback prompt text, after the tool list
 
-    def find_opening(self, text: str) -> Opening | None:
+    def find_opening(self, text: str, start: int = 0) -> Opening | None:
+        """Where calls begin; `start`: no opening begins before it (a streaming hint)."""
         raise NotImplementedError
 
     def held_tail(self, text: str) -> int:
@@ -91,8 +92,8 @@ class HermesFormat(CallFormat):
         "</tool_call>"
     )
 
-    def find_opening(self, text: str) -> Opening | None:
-        at = text.find(self.OPEN)
+    def find_opening(self, text: str, start: int = 0) -> Opening | None:
+        at = text.find(self.OPEN, start)
         return None if at < 0 else Opening(at, at + len(self.OPEN))
 
     def held_tail(self, text: str) -> int:
@@ -122,11 +123,11 @@ class Llama3JsonFormat(CallFormat):
         'to make several calls, separate the objects with "; ".'
     )
 
-    def find_opening(self, text: str) -> Opening | None:
+    def find_opening(self, text: str, start: int = 0) -> Opening | None:
         first = skip_space(text, 0)
         if text.startswith("{", first):
             return Opening(0, first)
-        at = text.find(self.TAG)
+        at = text.find(self.TAG, start)
         return None if at < 0 else Opening(at, at + len(self.TAG))
 
     def held_tail(self, text: str) -> int:

@@ -21,13 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.server.tool_parsers import (
-    CallFormat,
-    Opening,
-    arguments_text,
-    parse_tool_calls,
-    scan_calls,
-)
+from radixserve.server.tool_json import CallScan, CallScanner, skip_space
+from radixserve.server.tool_parsers import CallFormat, Opening, arguments_text, parse_tool_calls
 
 TOOL_CALLS_FINISH = "tool_calls"
 
@@ -57,14 +52,18 @@ class StreamDelta:
 
 
 class ToolStreamParser:
-    """One choice's output, pushed as it is detokenized."""
+    """One choice's output, pushed as it is detokenized. Each character is scanned once
+    (resumable call scanners, a search hint for the opening), so a long call costs O(n)."""
 
     def __init__(self, fmt: CallFormat) -> None:
         self._fmt = fmt
         self._text = ""
         self._sent = 0  # self._text[:_sent] went out as content
+        self._search_from = 0  # no opening begins before this index
         self._opening: Opening | None = None
+        self._scanners: list[CallScanner] = []  # one per call begun; only the last may be open
         self._args_sent: list[int] = []  # per call whose header went out: argument chars sent
+        self._stuck = False  # a call ended without a name: nothing after it is read as calls
 
     @property
     def called(self) -> bool:
@@ -72,23 +71,28 @@ class ToolStreamParser:
 
     def push(self, text: str) -> StreamDelta:
         self._text += text
-        if self._opening is None:
-            opening = self._fmt.find_opening(self._text)
-            if opening is None:
-                # Hold back what may begin an opening, and the whitespace before it.
-                safe = self._text[:len(self._text) - self._fmt.held_tail(self._text)]
-                return StreamDelta(self._take_content(len(safe.rstrip())))
-            self._opening = opening
-            content = self._text[self._sent:opening.content_end].rstrip()
-            self._sent += len(content)
-            return StreamDelta(content, self._call_deltas(final=False))
-        return StreamDelta("", self._call_deltas(final=False))
+        if self._opening is not None:
+            return StreamDelta("", self._call_deltas(final=False))
+        opening = self._fmt.find_opening(self._text, self._search_from)
+        if opening is None:
+            # Hold back what may begin an opening, and the whitespace before it.
+            end = len(self._text) - self._fmt.held_tail(self._text)
+            self._search_from = end
+            return StreamDelta(self._take_content(self._strip_end(end)))
+        self._opening = opening
+        content = self._take_content(self._strip_end(opening.content_end))
+        return StreamDelta(content, self._call_deltas(final=False))
 
     def finish(self) -> StreamDelta:
         """End of output: what was held back, or the calls' last fragments."""
         if self.called:
             return StreamDelta("", self._call_deltas(final=True))
         return StreamDelta(self._take_content(len(self._text)))
+
+    def _strip_end(self, end: int) -> int:
+        while end > self._sent and self._text[end - 1].isspace():
+            end -= 1
+        return end
 
     def _take_content(self, end: int) -> str:
         if end <= self._sent:
@@ -97,21 +101,47 @@ class ToolStreamParser:
         self._sent = end
         return content
 
-    def _call_deltas(self, final: bool) -> list[CallDelta]:
+    def _next_start(self) -> int | None:
         assert self._opening is not None
+        if not self._scanners:
+            i = skip_space(self._text, self._opening.calls_start)
+            return i if self._text.startswith("{", i) else None
+        end = self._scanners[-1].end
+        assert end is not None
+        return self._fmt.next_call(self._text, end)
+
+    def _call_deltas(self, final: bool) -> list[CallDelta]:
         out: list[CallDelta] = []
-        scans = scan_calls(self._fmt, self._text, self._opening.calls_start)
-        for k, scan in enumerate(scans):
+        while not self._stuck:
+            if not self._scanners or self._scanners[-1].end is not None:
+                start = self._next_start()
+                if start is None:
+                    break
+                self._scanners.append(CallScanner(start, self._fmt.args_keys))
+            k = len(self._scanners) - 1
+            scan = self._scanners[k].advance(self._text)
             if k == len(self._args_sent):
-                if scan.name is None:
-                    break  # calls go out in order: wait for this one's name
+                if scan.name is None:  # calls go out in order: wait for this one's name
+                    self._stuck = scan.done
+                    break
                 out.append(CallDelta(k, new_call_id(), scan.name, ""))
                 self._args_sent.append(0)
-            args = arguments_text(self._text, scan, final=final or scan.done)
-            if len(args) > self._args_sent[k]:
-                out.append(CallDelta(k, None, None, args[self._args_sent[k]:]))
-                self._args_sent[k] = len(args)
+            self._emit_arguments(k, scan, final or scan.done, out)
+            if not scan.done:
+                break
         return out
+
+    def _emit_arguments(self, k: int, scan: CallScan, final: bool,
+                        out: list[CallDelta]) -> None:
+        sent, text = self._args_sent[k], self._text
+        if scan.args_start is not None and text[scan.args_start] != '"':
+            stop = scan.args_end if scan.args_end is not None else len(text)
+            new = text[scan.args_start + sent:stop]  # only the part not sent yet
+        else:  # arguments as a JSON string, or none: whole once complete
+            new = arguments_text(text, scan, final)[sent:]
+        if new:
+            out.append(CallDelta(k, None, None, new))
+            self._args_sent[k] = sent + len(new)
 
 
 class ChatToolStream:
