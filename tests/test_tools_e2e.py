@@ -141,7 +141,11 @@ def test_tool_round_trip(client: openai.OpenAI, stream: bool) -> None:
         final = chat(client, messages, max_tokens=40)
         content, calls = final.choices[0].message.content, final.choices[0].message.tool_calls
         finish = final.choices[0].finish_reason
-        assert final.usage.prompt_tokens_details.cached_tokens > 200  # the history hit
+        # The tools, the question and the start of the call come from the cache. (The call is
+        # written back as the model wrote it, but the grammar may have made the model spell it
+        # in other tokens than the tokenizer does, so the match may stop inside the call.)
+        cached = final.usage.prompt_tokens_details.cached_tokens
+        assert cached > first.usage.prompt_tokens
     assert finish in ("stop", "length") and not calls
     assert isinstance(content, str) and content.strip()
 
