@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from radixserve.constraints import Constraint, ConstraintKind, ToolCallConstraint, ToolDef, ToolMode
 from radixserve.grammar.backend import GrammarBackend, GrammarError, Matcher, bitmask_width
 from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
-from radixserve.grammar.mask import allowed_tokens, apply_mask, build_mask
+from radixserve.grammar.mask import apply_mask, build_mask, disallowed_tokens
 from radixserve.model_source import resolve_model
 from radixserve.tokenizer import load_tokenizer
 
@@ -36,13 +36,19 @@ def backend(tok: PreTrainedTokenizerBase) -> GrammarBackend:
 def allowed(m: Matcher) -> set[int]:
     bits = torch.zeros(1, bitmask_width(VOCAB), dtype=torch.int32)
     m.fill_row(bits, 0)
-    return set(allowed_tokens(bits, VOCAB)[0].nonzero().flatten().tolist())
+    return set((~disallowed_tokens(bits, VOCAB))[0].nonzero().flatten().tolist())
+
+
+def is_allowed(m: Matcher, token: int) -> bool:
+    bits = torch.zeros(1, bitmask_width(VOCAB), dtype=torch.int32)
+    m.fill_row(bits, 0)
+    return bool((int(bits[0, token // 32]) >> (token % 32)) & 1)
 
 
 def feed(m: Matcher, tok: PreTrainedTokenizerBase, text: str) -> bool:
     """Accept text token by token, checking each token was in the mask first."""
     for t in tok.encode(text, add_special_tokens=False):
-        if t not in allowed(m) or not m.accept(t):
+        if not is_allowed(m, t) or not m.accept(t):
             return False
     return True
 
@@ -169,11 +175,10 @@ def test_compiler_caches_by_key_and_reports_failures(compiler: GrammarCompiler) 
     assert isinstance(failed, CompileFailed) and "missing" in failed.message
 
 
-def test_apply_mask_touches_only_constrained_rows(backend: GrammarBackend,
-                                                  tok: PreTrainedTokenizerBase) -> None:
+def test_apply_mask_touches_only_constrained_rows(backend: GrammarBackend) -> None:
     m = backend.compile(Constraint(ConstraintKind.CHOICE, choices=("yes", "no"))).matcher()
     mask = build_mask([None, m, None], VOCAB, torch.device("cpu"))
-    assert mask is not None
+    assert mask is not None and mask.shape == (3, 1536) and mask.dtype == torch.int32
     logits = torch.randn(3, VOCAB)
     before = logits.clone()
     apply_mask(logits, mask)
@@ -182,3 +187,11 @@ def test_apply_mask_touches_only_constrained_rows(backend: GrammarBackend,
     assert finite == allowed(m) and len(finite) == 5
     assert torch.equal(logits[1, sorted(finite)], before[1, sorted(finite)])
     assert build_mask([None, None], VOCAB, torch.device("cpu")) is None
+
+
+def test_bitmask_unpacking_is_bit_exact() -> None:
+    bits = torch.tensor([[1 - 2**31, 0], [-1, 1 << 8]], dtype=torch.int32)  # bits 0 and 31 set
+    dis = disallowed_tokens(bits, 41)  # the last word covers only tokens 32..40
+    assert dis.shape == (2, 41)
+    assert (~dis[0]).nonzero().flatten().tolist() == [0, 31]
+    assert (~dis[1]).nonzero().flatten().tolist() == list(range(32)) + [40]

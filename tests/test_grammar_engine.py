@@ -15,9 +15,10 @@ import pytest
 from bench.grammar_schemas import SCHEMAS
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.engine.llm import LLM, RequestOutput
-from radixserve.ipc.messages import GenerateMsg
+from radixserve.engine.loop import EngineLoop
+from radixserve.ipc.messages import EngineErrorMsg, GenerateMsg, TokenBatchMsg
 from radixserve.tokenizer import encode_chat
-from radixserve.types import InvalidRequestError, SamplingParams
+from radixserve.types import FinishReason, InvalidRequestError, SamplingParams, TokenOutput
 
 pytestmark = pytest.mark.smollm2
 
@@ -135,3 +136,25 @@ def test_grammar_failing_in_the_engine_fails_only_its_request(llm: LLM) -> None:
     assert errors["good"] is None and llm.tokenizer.decode(
         tokens["good"], skip_special_tokens=True) in ("yes", "no")
     assert errors["plain"] is None and 1 <= len(tokens["plain"]) <= 4
+
+
+class _OneStepEngine:
+    """Just enough of the engine contract for EngineLoop.step."""
+
+    def __init__(self, outputs: list[TokenOutput]) -> None:
+        self.outputs = outputs
+
+    def step(self) -> list[TokenOutput]:
+        return self.outputs
+
+    def drain_cache_events(self) -> list[object]:
+        return []
+
+
+def test_engine_loop_turns_an_error_output_into_a_400_for_that_request() -> None:
+    sent: list[object] = []
+    ok = TokenOutput("a", 7, None, 3, 0)
+    failed = TokenOutput("b", None, FinishReason.ABORT, 3, 0, error="invalid constraint: x")
+    EngineLoop(_OneStepEngine([ok, failed]), sent.append).step()  # type: ignore[arg-type]
+    assert sent == [EngineErrorMsg("invalid constraint: x", rid="b", status=400),
+                    TokenBatchMsg([ok])]

@@ -1,49 +1,43 @@
 """The batch bitmask: built from the constrained rows' matchers, applied to the logits.
 
-Owns: allocating one int32 bitmask per step for the whole batch, filling the constrained
-rows (matchers are only read here), and the vectorized masked_fill that sets every
-disallowed logit of those rows to -inf. Unconstrained rows are untouched.
+Owns: one int32 bitmask per step for the whole batch (unconstrained rows all ones), filling
+the constrained rows (matchers are only read here), and the vectorized unpack + masked_fill
+that sets every disallowed logit to -inf, in place, on the logits' device.
 Does not know: requests' lifetimes (the scheduler creates and advances matchers).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from radixserve.grammar.backend import Matcher, bitmask_width
 
 
-@dataclass(frozen=True)
-class BatchMask:
-    rows: torch.Tensor  # (R,) int64 on the logits' device: the constrained rows
-    bits: torch.Tensor  # (R, ceil(vocab / 32)) int32 on the logits' device
-
-
 def build_mask(matchers: list[Matcher | None], vocab_size: int,
-               device: torch.device) -> BatchMask | None:
-    """One bitmask for the batch's constrained rows; None when no row is constrained."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+               device: torch.device) -> torch.Tensor | None:
+    """(B, ceil(vocab / 32)) int32 on `device`; None when no row is constrained."""
+    if all(m is None for m in matchers):
         return None
-    bits = torch.empty(len(rows), bitmask_width(vocab_size), dtype=torch.int32)
-    for j, i in enumerate(rows):
-        m = matchers[i]
-        assert m is not None
-        m.fill_row(bits, j)
-    return BatchMask(torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-                     bits.to(device, non_blocking=True))
+    bits = torch.full((len(matchers), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill_row(bits, i)
+    return bits.to(device, non_blocking=True)
 
 
-def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(R, W) int32 words -> (R, vocab) bool: bit j of word w is token 32 * w + j."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    expanded = (bits.unsqueeze(-1) >> shifts) & 1  # (R, W, 32)
-    return expanded.view(bits.shape[0], -1)[:, :vocab_size].bool()
+def disallowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, W) int32 words -> (B, vocab) bool, True where the token is NOT allowed.
+
+    Bit j of word w is token 32 * w + j. Viewed as little-endian bytes, byte i holds tokens
+    8 * i .. 8 * i + 7, so one lookup in a (256, 8) table unpacks a byte (cheaper than
+    shifting every word 32 times).
+    """
+    table = ((torch.arange(256, device=bits.device).unsqueeze(-1)
+              >> torch.arange(8, device=bits.device)) & 1) == 0  # (256, 8): bit clear
+    as_bytes = bits.contiguous().view(torch.uint8).long()  # (B, 4W)
+    return table[as_bytes].view(bits.shape[0], -1)[:, :vocab_size]
 
 
-def apply_mask(logits: torch.Tensor, mask: BatchMask) -> None:
-    """In place on logits (B, vocab): disallowed tokens of the constrained rows get -inf."""
-    allowed = allowed_tokens(mask.bits, logits.shape[-1])
-    logits[mask.rows] = logits[mask.rows].masked_fill(~allowed, float("-inf"))
+def apply_mask(logits: torch.Tensor, bits: torch.Tensor) -> None:
+    """In place on logits (B, vocab): disallowed tokens get -inf; all-ones rows are untouched."""
+    logits.masked_fill_(disallowed_tokens(bits, logits.shape[-1]), float("-inf"))

@@ -1,17 +1,22 @@
-"""Grammar state stays exact under preemption (tiny model, tiny KV pool): constrained greedy
-outputs are identical with and without retraction, and valid; n sequences of one prompt each
-keep their own matcher."""
+"""Scheduling constrained requests (tiny model): a request whose grammar is compiling waits,
+the batch does not; grammar state stays exact under preemption (identical constrained greedy
+outputs with and without retraction, and valid); n sequences of one prompt each keep their own
+matcher."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
 
 from radixserve import LLM
 from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.engine.engine import _grammar_backend
+from radixserve.grammar.backend import GrammarBackend
+from radixserve.grammar.compiler import GrammarCompiler
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.types import SamplingParams
 from tests.test_engine_cache import shared_prefix_prompts
@@ -71,3 +76,40 @@ def test_n_sequences_of_one_prompt_each_have_their_own_matcher(tiny_llama: Path)
     texts = run(llm, [prompt] * 6, params)
     assert all(re.fullmatch(PATTERN, t) for t in texts), texts
     assert len(set(texts)) > 1  # sampled independently, each along its own grammar state
+
+
+def test_a_compiling_grammar_holds_back_only_its_request(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_tokens=8192)
+    engine, r = llm.engine, llm.engine.runner
+    release = threading.Event()
+
+    def slow_backend() -> GrammarBackend:  # the first compile blocks until released
+        assert release.wait(60)
+        return _grammar_backend(r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids)
+
+    compiler = GrammarCompiler(slow_backend)
+    engine.grammars = engine.scheduler.grammars = compiler
+    prompt = shared_prefix_prompts(1, 1, 20, 5)[0]
+    engine.add_request(GenerateMsg("constrained", prompt, SamplingParams(
+        temperature=0, max_tokens=20, constraint=Constraint(ConstraintKind.REGEX, "[ab]{5}"))))
+    engine.add_request(GenerateMsg("free", prompt, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True)))
+    finished: list[str] = []
+    tokens: dict[str, list[int]] = {"constrained": [], "free": []}
+    while "free" not in finished:  # the free request runs to its end meanwhile
+        for o in engine.step():
+            if o.token_id is not None:
+                tokens[o.rid].append(o.token_id)
+            if o.finish_reason is not None:
+                finished.append(o.rid)
+    assert tokens == {"constrained": [], "free": tokens["free"]} and len(tokens["free"]) == 6
+    assert engine.stats()["num_waiting"] == 1
+    release.set()
+    while engine.has_work():
+        for o in engine.step():
+            if o.token_id is not None:
+                tokens[o.rid].append(o.token_id)
+    engine.check_integrity()
+    assert re.fullmatch("[ab]{5}", llm.tokenizer.decode(tokens["constrained"],
+                                                        skip_special_tokens=True))
+    compiler.close()
