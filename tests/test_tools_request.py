@@ -157,3 +157,30 @@ def test_arguments_sent_as_an_object_are_kept_as_json_text() -> None:
     call = {**CALL, "function": {"name": "f", "arguments": {"a": 1}}}
     req = parse_chat({"messages": [*USER, {"role": "assistant", "tool_calls": [call]}]})
     assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"a":1}'
+
+
+def test_schema_checks_are_remembered_per_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent sends the same tools every turn: each schema is compiled once, not per
+    request; a bad one is still a 400 every time."""
+    from radixserve.server import constraint_check
+
+    compiled: list[str] = []
+    real = constraint_check.check_constraint
+
+    def counting(constraint: Constraint, param: str) -> None:
+        compiled.append(constraint.text)
+        real(constraint, param)
+
+    monkeypatch.setattr(constraint_check, "check_constraint", counting)
+    checker = constraint_check.ConstraintChecker(capacity=2)
+    for _ in range(3):
+        parse_chat(chat(tools=[WEATHER, NOW]), check=checker)
+    assert compiled == [WEATHER_DEF.parameters_json, NOW_DEF.parameters_json]
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            parse_chat(chat(tools=[BAD_SCHEMA]), check=checker)
+    assert len(compiled) == 4 and len(checker) == 2
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}
+    parse_chat(chat(response_format=fmt), check=checker)  # evicts the oldest (capacity 2)
+    parse_chat(chat(tools=[WEATHER]), check=checker)
+    assert compiled[4:] == ['{"type":"integer"}', WEATHER_DEF.parameters_json]

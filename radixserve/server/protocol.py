@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from radixserve.constraints import Constraint
+from radixserve.grammar.validate import check_constraint
 from radixserve.server.chat_messages import parse_messages
+from radixserve.server.constraint_check import Check
 from radixserve.server.fields import (
     bad,
     check_fields,
@@ -174,14 +176,15 @@ def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
     return tuple(parsed)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, check: Check = check_constraint) -> CompletionRequest:
+    """`check` validates a response_format schema (a ConstraintChecker remembers passes)."""
     body = check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise bad("'prompt' is required", "prompt")
     prompts = _parse_prompts(body["prompt"])
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     opts = _with_constraint(_parse_options(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs),
-                            parse_response_format(body.get("response_format")))
+                            parse_response_format(body.get("response_format"), check))
     echo = bool(get_bool(body, "echo"))
     if echo and logprobs is not None:
         raise bad("'echo' together with 'logprobs' is not supported (no prompt logprobs)", "echo")
@@ -196,12 +199,14 @@ def _with_constraint(opts: RequestOptions, constraint: Constraint | None) -> Req
     return replace(opts, params=replace(opts.params, constraint=constraint))
 
 
-def parse_chat(body: Any, call_format: str = "hermes") -> ChatRequest:
-    """`call_format`: the server's --tool-call-parser (the grammar writes calls that way)."""
+def parse_chat(body: Any, call_format: str = "hermes",
+               check: Check = check_constraint) -> ChatRequest:
+    """`call_format`: the server's --tool-call-parser (the grammar writes calls that way);
+    `check` validates tool and response_format schemas."""
     body = check_fields(body, CHAT_FIELDS)
     parsed = parse_messages(body.get("messages"))
-    tools = parse_tools(body)
-    constraint = parse_response_format(body.get("response_format"))
+    tools = parse_tools(body, check)
+    constraint = parse_response_format(body.get("response_format"), check)
     tool_constraint = None if tools is None else tools.constraint(call_format)
     if constraint is not None and tool_constraint is not None:
         raise bad("'response_format' cannot be combined with tools unless 'tool_choice' is "

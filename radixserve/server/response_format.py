@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from radixserve.constraints import Constraint, ConstraintKind
-from radixserve.grammar.validate import check_constraint
+from radixserve.server.constraint_check import Check
 from radixserve.server.fields import bad
 
 PARAM = "response_format"
@@ -33,7 +33,7 @@ def _only(value: dict[str, Any], allowed: set[str], where: str) -> None:
         raise bad(f"unsupported field '{extra[0]}' in '{where}'", PARAM)
 
 
-def _json_schema(value: dict[str, Any]) -> Constraint:
+def _json_schema(value: dict[str, Any], check: Check) -> Constraint:
     _only(value, {"type", "json_schema"}, PARAM)
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
@@ -51,12 +51,12 @@ def _json_schema(value: dict[str, Any]) -> Constraint:
         raise bad("'response_format.json_schema.schema' must be a JSON schema (an object)",
                   PARAM)
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, orjson.dumps(schema).decode())
-    check_constraint(constraint, PARAM)
+    check(constraint, PARAM)
     return constraint
 
 
-def parse_response_format(value: Any) -> Constraint | None:
-    """None for free text (absent, null or {"type": "text"})."""
+def parse_response_format(value: Any, check: Check) -> Constraint | None:
+    """None for free text (absent, null or {"type": "text"}); `check` validates a schema."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -69,6 +69,6 @@ def parse_response_format(value: Any) -> Constraint | None:
         _only(value, {"type"}, PARAM)
         return Constraint(ConstraintKind.JSON_OBJECT)
     if kind == "json_schema":
-        return _json_schema(value)
+        return _json_schema(value, check)
     raise bad("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", "
               f"got {kind!r}", PARAM)

@@ -92,7 +92,7 @@ def _start(request: web.Request) -> tuple[ServerState, float]:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state, arrival = _start(request)
-    req = parse_completion(await read_json(request))
+    req = parse_completion(await read_json(request), state.check_constraint)
     state.check_model(req.opts.model)
     prompts = [await state.encode(p) for p in req.prompts]
     key = request_key(request)
@@ -163,7 +163,7 @@ async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, arrival = _start(request)
-    req = parse_chat(await read_json(request), state.call_format.name)
+    req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
     state.check_model(req.opts.model)
     prompt = await state.encode_messages(req.messages, req.tools)
     key = request_key(request)

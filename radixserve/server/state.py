@@ -21,6 +21,7 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server.auth import ApiKeys
+from radixserve.server.constraint_check import ConstraintChecker
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, stream_choice
 from radixserve.server.limits import Admission
@@ -75,6 +76,7 @@ class ServerState:
         self.eos_ids: tuple[int, ...] = ()
         self.call_format = get_format(cfg.tool_call_parser)
         self.native_tools = False  # the chat template renders tools itself (set on load)
+        self.check_constraint = ConstraintChecker()  # schemas that passed, remembered
         self._token_strs: dict[int, str] = {}
 
     @property

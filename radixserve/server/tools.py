@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from radixserve.constraints import Constraint, ConstraintKind, ToolCallConstraint, ToolDef, ToolMode
-from radixserve.grammar.validate import check_constraint
+from radixserve.server.constraint_check import Check
 from radixserve.server.fields import bad, check_fields, get_bool
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule, plus "."
@@ -66,7 +66,7 @@ class ToolsSpec:
         return out
 
 
-def _tool(value: Any, i: int) -> ToolDef:
+def _tool(value: Any, i: int, check: Check) -> ToolDef:
     where = f"tools[{i}]"
     check_fields(value, frozenset({"type", "function"}), where)
     if value.get("type") != "function":
@@ -91,7 +91,7 @@ def _tool(value: Any, i: int) -> ToolDef:
     if not isinstance(params, dict):
         raise bad(f"'{param}' must be a JSON schema object", param)
     parameters_json = orjson.dumps(params).decode()
-    check_constraint(Constraint(ConstraintKind.JSON_SCHEMA, parameters_json), param)
+    check(Constraint(ConstraintKind.JSON_SCHEMA, parameters_json), param)
     return ToolDef(name, parameters_json, description)
 
 
@@ -117,8 +117,11 @@ def _choice(value: Any, names: set[str]) -> tuple[ToolChoice, str | None]:
     return ToolChoice.NAMED, name
 
 
-def parse_tools(body: dict[str, Any]) -> ToolsSpec | None:
-    """None when the request has no tools (then tool_choice may only be "none")."""
+def parse_tools(body: dict[str, Any], check: Check) -> ToolsSpec | None:
+    """None when the request has no tools (then tool_choice may only be "none").
+
+    `check` validates each tool's parameter schema (raises InvalidRequestError).
+    """
     parallel = get_bool(body, "parallel_tool_calls")
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
@@ -128,7 +131,7 @@ def parse_tools(body: dict[str, Any]) -> ToolsSpec | None:
     if not isinstance(tools, list):
         raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}",
                   "tools")
-    defs = tuple(_tool(t, i) for i, t in enumerate(tools))
+    defs = tuple(_tool(t, i, check) for i, t in enumerate(tools))
     names = [d.name for d in defs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
