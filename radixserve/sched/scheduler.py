@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
@@ -29,6 +30,7 @@ from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
 from radixserve.sched.memory import MemoryManager
+from radixserve.sched.pins import PinTable
 from radixserve.sched.policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.types import (
@@ -50,6 +52,10 @@ class Scheduler:
         self.cfg = cfg
         self.grammars = grammars
         self.mem = MemoryManager(allocator, cache, req_table, cfg.disable_radix_cache)
+        max_pinned = cfg.max_pinned_tokens
+        if max_pinned is None:
+            max_pinned = allocator.num_pages * allocator.page_size // 4
+        self.pins = PinTable(cache, max_pinned)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -67,7 +73,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            cache_salt: str = "") -> Req:
+            cache_salt: str = "", priority: int = 0) -> Req:
         """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
         n = len(prompt_ids)
         if rid in self.reqs:
@@ -88,7 +94,8 @@ class Scheduler:
                 raise InvalidRequestError("constrained decoding is not available", "constraint")
             self.grammars.request(params.constraint)
         req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=n, params=params,
-                  max_new_tokens=max_new, cache_salt=cache_salt, arrival=time.monotonic())
+                  max_new_tokens=max_new, cache_salt=cache_salt, priority=priority,
+                  arrival=time.monotonic())
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
@@ -120,6 +127,8 @@ class Scheduler:
     # ---- forming batches -----------------------------------------------------------------
 
     def schedule(self) -> Batch | None:
+        if self.pins.pins:
+            self.pins.expire()  # lazily: an expired pin only matters when pages are needed
         want_extend = bool(self.waiting or self.prefilling)
         if want_extend and (self.last_phase is Phase.DECODE or not self.running):
             batch = self._schedule_extend()
@@ -248,9 +257,10 @@ class Scheduler:
                       if all(r is not e for e in exclude)]
         if not candidates:
             return None
-        # The request that loses least: fewest output tokens, least prompt computed, then the
-        # longest prompt (most of which stays in the tree and is matched back on resumption).
-        return min(candidates, key=lambda r: (r.num_output_tokens, r.cached_len,
+        # The least important request first; among equals the one that loses least: fewest
+        # output tokens, least prompt computed, then the longest prompt (most of which stays
+        # in the tree and is matched back on resumption).
+        return min(candidates, key=lambda r: (-r.priority, r.num_output_tokens, r.cached_len,
                                               -r.num_prompt_tokens))
 
     def _retract(self, req: Req) -> None:
@@ -334,14 +344,17 @@ class Scheduler:
         req.grammar = None  # the matcher's lifetime ends with the request
         del self.reqs[req.rid]
 
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix. False (nothing done) while requests are admitted."""
+    def flush_cache(self, include_pins: bool = False) -> bool:
+        """Drop every cached prefix but the pinned ones (all, with include_pins). False
+        (nothing done) while requests are admitted."""
         if self.running or self.prefilling:
             return False
+        if include_pins:
+            self.pins.release_all()
         self.mem.flush_cache()
         return True
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         live = self.running + self.prefilling
         kv = self.mem.usage(live)
         return {
@@ -349,10 +362,13 @@ class Scheduler:
             "kv_total_tokens": kv.total, "kv_free_tokens": kv.free,
             "kv_cached_tokens": kv.cached, "kv_evictable_tokens": kv.evictable,
             "kv_held_tokens": kv.held, **self.counters,
+            # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
+            "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
+            "num_pins": len(self.pins.pins), "pinned_tokens": self.pins.pinned_tokens,
         }
 
     def check_integrity(self) -> None:
         live = self.running + self.prefilling
         assert all(r.status is ReqStatus.RUNNING for r in live)
         assert all(r.status is ReqStatus.WAITING and not r.slots for r in self.waiting)
-        self.mem.check_integrity(live)
+        self.mem.check_integrity(live, self.pins.locked_tokens())

@@ -49,11 +49,12 @@ _SAMPLING_FIELDS = frozenset({
     "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
     "max_tokens", "max_completion_tokens",
 })
-_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options"}
+_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs", "response_format"}
 CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs", "response_format",
                                 "tools", "tool_choice", "parallel_tool_calls"}
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream"})
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority"})
+MAX_ABS_PRIORITY = 1_000_000
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
 }
@@ -69,6 +70,7 @@ class RequestOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    priority: int = 0  # lower = more important (vLLM); orders admission, preemption, eviction
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         check_fields(stream_options, frozenset({"include_usage"}), "stream_options")
         include_usage = bool(get_bool(stream_options, "include_usage", "stream_options"))
-    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage)
+    priority = get_int(body, "priority", lo=-MAX_ABS_PRIORITY, hi=MAX_ABS_PRIORITY) or 0
+    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority)
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
@@ -243,6 +246,7 @@ def parse_generate(body: Any) -> GenerateRequest:
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
+    renamed["priority"] = body.get("priority")
     opts = _parse_options(renamed, None, None)
     if constraint is not None:
         opts = replace(opts, params=replace(opts.params, constraint=constraint))

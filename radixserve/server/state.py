@@ -65,7 +65,9 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, client: EngineClient) -> None:
         self.cfg = cfg
         self.client = client
-        self.auth = ApiKeys(cfg.api_keys, cfg.shared_cache)
+        # The admin key authenticates too (admin routes check that it is the admin's).
+        admin = (cfg.admin_key,) if cfg.admin_key and cfg.api_keys else ()
+        self.auth = ApiKeys(cfg.api_keys + admin, cfg.shared_cache)
         self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue)
         self.metrics = ServerMetrics(lambda: self.client.stats)
         self.started = time.time()
@@ -183,7 +185,7 @@ class ServerState:
                 if params.seed is not None and i:
                     choice_params = dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
                 jobs.append(ChoiceJob(len(jobs), p_idx, uuid.uuid4().hex, tuple(ids),
-                                      choice_params, opts.stop, salt))
+                                      choice_params, opts.stop, salt, opts.priority))
         return jobs
 
     def stream(self, job: ChoiceJob, arrival: float) -> AsyncGenerator[ChoiceChunk, None]:
