@@ -150,6 +150,9 @@ class _OneStepEngine:
     def drain_cache_events(self) -> list[object]:
         return []
 
+    def drain_replies(self) -> list[object]:
+        return []
+
 
 def test_engine_loop_turns_an_error_output_into_a_400_for_that_request() -> None:
     sent: list[object] = []
