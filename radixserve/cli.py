@@ -18,6 +18,7 @@ from radixserve.config import (
     DTYPES,
     EVICTION_POLICIES,
     SCHEDULE_POLICIES,
+    TOOL_CALL_PARSERS,
     ConfigError,
     EngineConfig,
     ServerConfig,
@@ -52,6 +53,8 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--max-concurrent-per-key", int, "max_concurrent_per_key", "429 past this per API key"),
     ("--max-queue", int, "max_queue", "429 (Retry-After) past this many queued requests"),
     ("--log-stats-interval", float, "log_stats_interval", "seconds between stats log lines"),
+    ("--tool-call-parser", str, "tool_call_parser",
+     f"how the model writes tool calls: {' | '.join(TOOL_CALL_PARSERS)}"),
 ]
 
 

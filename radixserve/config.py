@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EVICTION_POLICIES = ("lru", "slru")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py's registry
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,7 @@ class ServerConfig:
     max_concurrent_per_key: int | None = None
     max_queue: int | None = None  # waiting + running requests; past it: 429
     log_stats_interval: float = 5.0
+    tool_call_parser: str = "hermes"  # how tool calls are written and read back
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -100,3 +102,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"unknown tool-call parser {self.tool_call_parser!r}; "
+                f"supported: {', '.join(TOOL_CALL_PARSERS)}"
+            )

@@ -25,11 +25,14 @@ def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
+    """`tools` (OpenAI's tool list) only for templates that render tools themselves."""
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use /v1/completions")
+    extra: dict[str, Any] = {} if tools is None else {"tools": tools}
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
     )
     assert isinstance(text, str)
     return text
@@ -39,9 +42,10 @@ def encode_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Chat prompt: the rendered template already holds every special token it needs."""
-    text = render_chat(tokenizer, messages, add_generation_prompt)
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

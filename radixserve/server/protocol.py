@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
+from radixserve.constraints import Constraint
+from radixserve.grammar.validate import check_constraint
+from radixserve.server.chat_messages import parse_messages
+from radixserve.server.constraint_check import Check
 from radixserve.server.fields import (
     bad,
     check_fields,
@@ -24,6 +28,8 @@ from radixserve.server.fields import (
     parse_token_ids,
 )
 from radixserve.server.native_constraints import NATIVE_CONSTRAINT_FIELDS, parse_native_constraint
+from radixserve.server.response_format import parse_response_format
+from radixserve.server.tools import ToolsSpec, parse_tools
 from radixserve.types import SamplingParams
 
 __all__ = ["check_token_ids", "parse_chat", "parse_completion", "parse_generate"]
@@ -37,7 +43,6 @@ MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATE_DEFAULT_MAX_TOKENS = 128  # SGLang's default for native /generate
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -45,8 +50,9 @@ _SAMPLING_FIELDS = frozenset({
     "max_tokens", "max_completion_tokens",
 })
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority"}
-COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs"}
-CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs", "response_format"}
+CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs", "response_format",
+                                "tools", "tool_choice", "parallel_tool_calls"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority"})
 MAX_ABS_PRIORITY = 1_000_000
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
@@ -76,8 +82,9 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict[str, str], ...]  # {"role", "content"} with content flattened to text
-    opts: RequestOptions
+    messages: tuple[dict[str, Any], ...]  # normalized by chat_messages.parse_messages
+    opts: RequestOptions  # opts.params.constraint: from response_format or tool_choice
+    tools: ToolsSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -172,13 +179,15 @@ def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
     return tuple(parsed)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, check: Check = check_constraint) -> CompletionRequest:
+    """`check` validates a response_format schema (a ConstraintChecker remembers passes)."""
     body = check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise bad("'prompt' is required", "prompt")
     prompts = _parse_prompts(body["prompt"])
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
-    opts = _parse_options(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs)
+    opts = _with_constraint(_parse_options(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs),
+                            parse_response_format(body.get("response_format"), check))
     echo = bool(get_bool(body, "echo"))
     if echo and logprobs is not None:
         raise bad("'echo' together with 'logprobs' is not supported (no prompt logprobs)", "echo")
@@ -187,43 +196,30 @@ def parse_completion(body: Any) -> CompletionRequest:
     return CompletionRequest(prompts, opts, echo)
 
 
-def _parse_message(msg: Any, i: int) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(msg, dict):
-        raise bad(f"'{where}' must be an object", where)
-    check_fields(msg, frozenset({"role", "content", "name"}), where)
-    role = msg.get("role")
-    if role not in CHAT_ROLES:
-        raise bad(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                  f"{where}.role")
-    content = msg.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": str}}"
-                          " (other content types are not supported)", f"{where}.content")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    if not isinstance(content, str):
-        raise bad(f"'{where}.content' must be a string or a list of text parts",
-                  f"{where}.content")
-    return {"role": CHAT_ROLES[role], "content": content}
+def _with_constraint(opts: RequestOptions, constraint: Constraint | None) -> RequestOptions:
+    if constraint is None:
+        return opts
+    return replace(opts, params=replace(opts.params, constraint=constraint))
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, call_format: str = "hermes",
+               check: Check = check_constraint) -> ChatRequest:
+    """`call_format`: the server's --tool-call-parser (the grammar writes calls that way);
+    `check` validates tool and response_format schemas."""
     body = check_fields(body, CHAT_FIELDS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty list", "messages")
-    parsed = tuple(_parse_message(m, i) for i, m in enumerate(messages))
+    parsed = parse_messages(body.get("messages"))
+    tools = parse_tools(body, check)
+    constraint = parse_response_format(body.get("response_format"), check)
+    tool_constraint = None if tools is None else tools.constraint(call_format)
+    if constraint is not None and tool_constraint is not None:
+        raise bad("'response_format' cannot be combined with tools unless 'tool_choice' is "
+                  "\"none\"", "response_format")
     want_logprobs = bool(get_bool(body, "logprobs"))
     top = get_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want_logprobs:
         raise bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     opts = _parse_options(body, None, (top or 0) if want_logprobs else None)
-    return ChatRequest(parsed, opts)
+    return ChatRequest(parsed, _with_constraint(opts, constraint or tool_constraint), tools)
 
 
 def parse_generate(body: Any) -> GenerateRequest:

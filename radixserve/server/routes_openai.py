@@ -19,6 +19,8 @@ from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
 from radixserve.server.protocol import parse_chat, parse_completion
 from radixserve.server.sse import write_sse
 from radixserve.server.state import STATE_KEY, ServerState, read_json, request_key
+from radixserve.server.tool_parsers import CallFormat
+from radixserve.server.tool_stream import TOOL_CALLS_FINISH, ChatToolStream, tool_message
 from radixserve.types import TokenLogprobs
 
 
@@ -90,7 +92,7 @@ def _start(request: web.Request) -> tuple[ServerState, float]:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state, arrival = _start(request)
-    req = parse_completion(await read_json(request))
+    req = parse_completion(await read_json(request), state.check_constraint)
     state.check_model(req.opts.model)
     prompts = [await state.encode(p) for p in req.prompts]
     key = request_key(request)
@@ -161,26 +163,34 @@ async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, arrival = _start(request)
-    req = parse_chat(await read_json(request))
+    req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
     state.check_model(req.opts.model)
-    prompt = await state.encode_messages(req.messages)
+    prompt = await state.encode_messages(req.messages, req.tools)
     key = request_key(request)
     jobs = state.make_jobs([prompt], req.opts, state.auth.cache_salt(key), "messages")
+    # Tool calls are read back from the output unless tool_choice is "none" (or no tools).
+    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
     with state.admission.admit(key, len(jobs)):
         chunks = merge_streams([state.stream(j, arrival) for j in jobs])
         if req.opts.stream:
-            events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None)
+            events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
+                                  calls)
             return await write_sse(request, _with_usage(events, req.opts.include_usage))
-        return json_response(await _collect_chat(state, jobs, chunks))
+        return json_response(await _collect_chat(state, jobs, chunks, calls))
+
+
+def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:
+    return [{"content": text}] if text else []
 
 
 async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
-                       chunks: AsyncGenerator[ChoiceChunk, None],
-                       want_lp: bool) -> AsyncGenerator[dict[str, Any], None]:
+                       chunks: AsyncGenerator[ChoiceChunk, None], want_lp: bool,
+                       calls: CallFormat | None) -> AsyncGenerator[dict[str, Any], None]:
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": state.model_name}
     usage = Usage(jobs)
     started: set[int] = set()
+    tool_streams = {j.index: ChatToolStream(calls) for j in jobs} if calls else {}
     async with aclosing(chunks) as stream:
         async for c in stream:
             usage.add(c)
@@ -190,15 +200,23 @@ async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
                                             "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]}
             lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs) if want_lp else None
-            if c.text or c.finish_reason or (lp and lp["content"]):
-                delta = {"content": c.text} if c.text else {}
-                yield {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                            "finish_reason": c.finish_reason}]}
+            tools = tool_streams.get(c.index)
+            final = c.finish_reason is not None
+            deltas = (tools.deltas if tools else _plain_deltas)(c.text, final)
+            finish = tools.finish_reason(c.finish_reason) if tools else c.finish_reason
+            if finish or (lp and lp["content"]):
+                deltas = deltas or [{}]  # one chunk carries the finish / the logprobs
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                yield {**base, "choices": [{"index": c.index, "delta": delta,
+                                            "logprobs": lp if k == 0 else None,
+                                            "finish_reason": finish if last else None}]}
     yield {**base, "choices": [], "usage": usage.body()}
 
 
 async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
-                        chunks: AsyncGenerator[ChoiceChunk, None]) -> dict[str, Any]:
+                        chunks: AsyncGenerator[ChoiceChunk, None],
+                        calls: CallFormat | None) -> dict[str, Any]:
     want_lp = jobs[0].params.logprobs is not None
     texts: list[list[str]] = [[] for _ in jobs]
     lps: list[list[Any]] = [[] for _ in jobs]
@@ -212,9 +230,15 @@ async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
             if want_lp:
                 lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs)
                 lps[c.index].extend(lp["content"])
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                "logprobs": {"content": lps[i]} if want_lp else None, "finish_reason": finish[i]}
-               for i in range(len(jobs))]
+    choices = []
+    for i in range(len(jobs)):
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts[i])}
+        if calls is not None:
+            message, called = tool_message(calls, message["content"])
+            finish[i] = TOOL_CALLS_FINISH if called and finish[i] else finish[i]
+        choices.append({"index": i, "message": message,
+                        "logprobs": {"content": lps[i]} if want_lp else None,
+                        "finish_reason": finish[i]})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": state.model_name, "choices": choices,
             "usage": usage.body()}

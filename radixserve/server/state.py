@@ -21,11 +21,15 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server.auth import ApiKeys
+from radixserve.server.constraint_check import ConstraintChecker
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, stream_choice
 from radixserve.server.limits import Admission
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import PromptInput, RequestOptions, check_token_ids
+from radixserve.server.tool_parsers import get_format
+from radixserve.server.tool_prompt import supports_tools, template_messages
+from radixserve.server.tools import ToolsSpec
 from radixserve.types import SamplingParams
 
 OFFLOAD_CHARS = 2048  # tokenize longer inputs in a thread so one huge prompt stalls no one
@@ -46,10 +50,11 @@ def _encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return encode_prompt(tokenizer, text)
 
 
-def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None) -> list[int]:
     from radixserve.tokenizer import encode_chat
 
-    return encode_chat(tokenizer, messages)
+    return encode_chat(tokenizer, messages, tools=tools)
 
 
 def _wrap_int64(value: int) -> int:
@@ -71,6 +76,9 @@ class ServerState:
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_ids: tuple[int, ...] = ()
+        self.call_format = get_format(cfg.tool_call_parser)
+        self.native_tools = False  # the chat template renders tools itself (set on load)
+        self.check_constraint = ConstraintChecker()  # schemas that passed, remembered
         self._token_strs: dict[int, str] = {}
 
     @property
@@ -97,6 +105,7 @@ class ServerState:
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info.get("vocab_size") or len(self.tokenizer))
         self.eos_ids = tuple(info.get("eos_token_ids") or ())
+        self.native_tools = supports_tools(getattr(self.tokenizer, "chat_template", None))
 
     def ensure_ready(self) -> None:
         if self.client.state is EngineState.DEAD:
@@ -121,10 +130,15 @@ class ServerState:
         check_token_ids(prompt, self.vocab_size, "prompt")
         return list(prompt)
 
-    async def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        size = sum(len(m["content"]) for m in messages)
+    async def encode_messages(self, messages: Sequence[dict[str, Any]],
+                              tools: ToolsSpec | None = None) -> list[int]:
+        """The chat prompt; tools, calls and results rendered as tool_prompt.py says."""
+        msgs, tool_list = template_messages(messages, tools, self.call_format, self.native_tools)
+        size = sum(len(m["content"] or "") for m in msgs)
+        if tool_list is not None:
+            size += len(orjson.dumps(tool_list))
         try:
-            return await self._offload(size, _encode_chat, self.tokenizer, list(messages))
+            return await self._offload(size, _encode_chat, self.tokenizer, msgs, tool_list)
         except ValueError as err:  # no chat template
             raise APIError(400, str(err), param="messages") from err
         except Exception as err:  # a template that rejects the conversation (jinja raise)
