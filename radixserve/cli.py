@@ -16,6 +16,7 @@ from typing import Any
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    EVICTION_POLICIES,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
     ConfigError,
@@ -40,6 +41,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
     ("--seed", int, "seed", "engine random seed"),
     ("--num-threads", int, "num_threads", "torch CPU threads"),
+    ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
+    ("--tenant-cache-quota", float, "tenant_cache_quota",
+     "fraction of the KV pool one API key may keep cached before it is evicted first"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),
@@ -69,7 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="publish cache block events on GET /kv_events")
     serve.add_argument("--shared-cache", action="store_true", default=None,
                        help="one prefix-cache namespace for all API keys (default: per key)")
-    serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # tests, bench
     return parser
 
 
@@ -98,7 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"radixserve: error: {err}", file=sys.stderr)
         return 2
-    from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY
     from radixserve.server.app import run_server
 
-    return run_server(cfg, args.engine_factory or DEFAULT_ENGINE_FACTORY)
+    return run_server(cfg)
