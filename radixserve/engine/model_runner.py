@@ -19,8 +19,8 @@ from radixserve.attention.base import AttentionBackend, AttentionMetadata, Share
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
-from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.engine.sampler import Sampler, SampleResult
+from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import ModelSpec, read_model_spec
