@@ -78,6 +78,7 @@ class Int8Linear:
         self.bias = bias
         self.on_cpu = weight.device.type == "cpu"
         self.weight_only_ok = self.on_cpu and _has_weight_int8pack_mm()
+        self.weight_only_max_rows = WEIGHT_ONLY_MAX_ROWS  # bench/quant.py raises it to compare
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +88,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N) in x's dtype
         if not self.on_cpu:
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
-        elif x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and self.weight_only_ok:
+        elif x.shape[0] <= self.weight_only_max_rows and self.weight_only_ok:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight,
                                                    self.scale_bf16).to(x.dtype)
         else:
