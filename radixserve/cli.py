@@ -17,6 +17,7 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     TOOL_CALL_PARSERS,
     ConfigError,
@@ -29,6 +30,7 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"
 # (flag, type, config field, help); every one optional, default from config.py.
 _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--dtype", str, "dtype", f"weights/activations dtype: {', '.join(DTYPES)}"),
+    ("--quantization", str, "quantization", f"weight quantization: {' | '.join(QUANTIZATIONS)}"),
     ("--device", str, "device", "auto | cpu | cuda"),
     ("--max-model-len", int, "max_model_len", "context length (default: the model's)"),
     ("--kv-cache-tokens", int, "kv_cache_tokens", "KV pool size in tokens (default: from memory)"),

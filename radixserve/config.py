@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
 EVICTION_POLICIES = ("lru", "slru")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py's registry
 
@@ -22,7 +23,10 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX, else float32
+    # auto: bfloat16 on CUDA, on CPUs with AMX, and on AVX512-BF16 CPUs where a start-up
+    # matmul measures it faster than fp32; else float32 (model/auto_dtype.py)
+    dtype: str = "auto"
+    quantization: str | None = None  # "int8": int8 weights for every linear layer
     device: str = "auto"  # auto: cuda if available else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped)
     kv_cache_tokens: int | None = None  # default: sized from free memory
@@ -47,6 +51,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unsupported quantization {self.quantization!r}; supported: "
+                              f"{', '.join(QUANTIZATIONS)} (or none)")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ConfigError(
                 f"unknown schedule policy {self.schedule_policy!r}; "

@@ -75,6 +75,7 @@ class Engine:
             "kv_cache_tokens": r.pool.size.num_slots, "page_size": r.pool.size.page_size,
             "max_concurrency": r.pool.size.num_slots / r.max_model_len,
             "dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device),
+            "quantization": self.cfg.quantization,
             "eos_token_ids": list(r.eos_token_ids), "attention_backend": r.backend_name,
             "disable_radix_cache": self.cfg.disable_radix_cache,
             "schedule_policy": self.cfg.schedule_policy,

@@ -1,0 +1,108 @@
+"""Matmul kernels for SmolLM2-135M's linear shapes: fp32, bf16 (plain and oneDNN-prepacked),
+int8 weight-only (`_weight_int8pack_mm`, fp32 or bf16 activations), int8 x int8 (`_int_mm`
+with per-row activation quantization). Why model/quant.py and model/auto_dtype.py choose
+what they choose.
+
+    python -m bench.quant_kernels                    # 1 thread, rows 1,32,2048, 30 layers
+    python -m bench.quant_kernels --rows 1,2,4,8 --layers 8
+
+Each timing runs every layer's QKV, O, gate_up and down once (distinct weights, so that
+decode reads them from memory as a real step does), best-of-3 medians; ratios against fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.model.quant import Int8Linear, quantize_rows
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def timed(fn: Callable[[], None], reps: int) -> float:
+    fn()
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        runs.append((time.perf_counter() - start) / reps)
+    return statistics.median(runs)
+
+
+def kernels(layers: int, gen: torch.Generator) -> dict[str, list[tuple[str, Kernel]]]:
+    """kernel name -> [(shape name, fn(x fp32) -> y)] over `layers` distinct weights per shape."""
+    out: dict[str, list[tuple[str, Kernel]]] = {k: [] for k in (
+        "fp32", "bf16", "bf16-packed", "w8a32", "w8a16", "w8a8")}
+    for name, (n, k) in SHAPES.items():
+        for _ in range(layers):
+            w = torch.randn(n, k, generator=gen) * 0.02
+            wb = w.bfloat16()
+            packed = torch.ops.mkldnn._reorder_linear_weight(wb, 32)
+            q = Int8Linear(w)
+            out["fp32"].append((name, partial(F.linear, weight=w)))
+            out["bf16"].append((name, partial(F.linear, weight=wb)))
+            out["bf16-packed"].append((name, partial(_packed, p=packed)))
+            out["w8a32"].append((name, partial(_w8, q=q.qweight, s=q.scale)))
+            out["w8a16"].append((name, partial(_w8, q=q.qweight, s=q.scale_bf16)))
+            out["w8a8"].append((name, partial(_w8a8, q=q)))
+    return out
+
+
+def _packed(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    return y
+
+
+def _w8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, q, s)
+    return y
+
+
+def _w8a8(x: torch.Tensor, q: Int8Linear) -> torch.Tensor:
+    xq, xs = quantize_rows(x)
+    return torch._int_mm(xq, q.qweight.t()).to(torch.float32).mul_(xs).mul_(q.scale)
+
+
+def _runner(fns: list[tuple[str, Kernel]], inputs: dict[str, torch.Tensor]
+            ) -> Callable[[], None]:
+    def run() -> None:
+        for shape, f in fns:
+            f(inputs[shape])
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,32,2048")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip", default="", help="kernels to skip, e.g. w8a32 (very slow at 2048)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ks = kernels(args.layers, torch.Generator().manual_seed(0))
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {n: torch.randn(rows, k) for n, (_, k) in SHAPES.items()}
+        xb = {n: x.bfloat16() for n, x in xs.items()}
+        reps = 1 if rows >= 1024 else 5
+        res = {}
+        for kname, fns in ks.items():
+            if kname in args.skip.split(","):
+                continue
+            inputs = xb if kname in ("bf16", "bf16-packed", "w8a16") else xs
+            res[kname] = timed(_runner(fns, inputs), reps)
+        base = res["fp32"]
+        print(f"rows={rows}, {args.layers} layers, {args.threads} thread(s): " + ", ".join(
+            f"{k} {v * 1e3:.1f} ms ({base / v:.2f}x)" for k, v in res.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
