@@ -7,9 +7,12 @@ Each request's keys are split in two parts, merged by log-sum-exp:
   for all the group's query tokens (one gather, one kernel) instead of once per request;
 - the own part: positions [own_start, seq_len), gathered into one padded block for the whole
   batch and masked (causal inside the request's new tokens, and the padding).
-A batch whose padded block would be too large (a long prompt next to short ones), or a lone
-request with no group, goes to one SDPA call per request. The plan (indices, mask) is built
-once per forward and reused by every layer. Does not know: the model, the scheduler.
+Long extends (prefill chunks of MIN_VARLEN_TOKENS or more) go to attention/varlen.py, one
+request at a time on this forward's own k/v; the cascade above takes the rest of the batch
+(decode tokens and short extends, e.g. the decodes of a mixed step). A rest whose padded
+block would be too large, or a lone request with no group, goes to one SDPA call per request.
+The split and the plan (indices, mask) are built once per forward and reused by every layer.
+Does not know: the model, the scheduler.
 
 On CPU every partial attention is one call of torch's fused flash kernel, which also returns
 the log-sum-exp the merge needs: no (queries x keys) score tensor is written to memory, which
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata
+from radixserve.attention.varlen import Split, attend_long, split_batch
 
 MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
 
@@ -137,7 +141,8 @@ class TorchAttentionBackend:
         # NOTE: the plan of the current forward, keyed by its metadata object; every layer of
         # one forward receives the same `meta`.
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
+        self._split: Split | None = None
+        self._plan: _Plan | None = None  # of the short requests (split.short_meta)
 
     def forward(
         self,
@@ -152,8 +157,28 @@ class TorchAttentionBackend:
         k_cache.index_copy_(0, meta.out_slots, k)
         v_cache.index_copy_(0, meta.out_slots, v)
         if meta is not self._plan_meta:
-            group_size = q.shape[1] // k.shape[1]
-            self._plan_meta, self._plan = meta, _make_plan(meta, group_size, q.dtype)
+            new_split = split_batch(meta)
+            plan = None
+            if new_split.short_meta is not None:
+                plan = _make_plan(new_split.short_meta, q.shape[1] // k.shape[1], q.dtype)
+            self._plan_meta, self._split, self._plan = meta, new_split, plan
+        split = self._split
+        assert split is not None
+        if not split.long:
+            return self._short(q, k_cache, v_cache, meta, scale)
+        # Long extends (prefill chunks) one by one; decode tokens and short extends of the
+        # same batch (a mixed step) through the cascade, on their own rows of q.
+        out = torch.empty_like(q)
+        if split.short_meta is not None:
+            assert split.short_rows is not None
+            short = self._short(q.index_select(0, split.short_rows), k_cache, v_cache,
+                                split.short_meta, scale)
+            out.index_copy_(0, split.short_rows, short)
+        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale)
+        return out
+
+    def _short(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._plan is None:
             return self._per_request(q, k_cache, v_cache, meta, scale)
         return self._cascade(q, k_cache, v_cache, self._plan, scale)
