@@ -67,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="publish cache block events on GET /kv_events")
     serve.add_argument("--shared-cache", action="store_true", default=None,
                        help="one prefix-cache namespace for all API keys (default: per key)")
-    serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # tests, bench
     return parser
 
 
@@ -96,7 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"radixserve: error: {err}", file=sys.stderr)
         return 2
-    from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY
     from radixserve.server.app import run_server
 
-    return run_server(cfg, args.engine_factory or DEFAULT_ENGINE_FACTORY)
+    return run_server(cfg)

@@ -7,8 +7,6 @@ from typing import Any
 import pytest
 
 from radixserve.server.protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    GENERATE_DEFAULT_MAX_TOKENS,
     check_token_ids,
     parse_chat,
     parse_completion,
@@ -36,7 +34,7 @@ def test_completion_prompt_shapes() -> None:
 
 def test_completion_defaults() -> None:
     req = parse_completion({"model": "m", "prompt": "a"})
-    assert req.opts.params.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
+    assert req.opts.params.max_tokens == 16  # OpenAI's default for /v1/completions
     assert req.opts.n == 1 and not req.opts.stream and req.opts.stop == ()
     assert req.opts.params.logprobs is None and not req.echo
 
@@ -153,7 +151,7 @@ def test_generate_shapes() -> None:
     assert req.prompt == "hi" and req.opts.params.max_tokens == 3
     req = parse_generate({"input_ids": [1, 2], "stream": True})
     assert req.prompt == (1, 2) and req.opts.stream
-    assert req.opts.params.max_tokens == GENERATE_DEFAULT_MAX_TOKENS
+    assert req.opts.params.max_tokens == 128  # SGLang's default for /generate
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -106,6 +106,17 @@ class RadixCache:
         node, cached_len = self._walk(root, query, self._tick())
         return MatchResult(node, cached_len, self._path_concat(node, values=True).tolist())
 
+    def peek_prefix_len(self, token_ids: IntSeq, salt: str = "") -> int:
+        """Length of the longest cached prefix (whole pages), changing nothing: no split, no
+        LRU touch. For ordering a waiting queue; admission then matches once for real."""
+        root = self._roots.get(salt)
+        aligned_len = self._aligned(len(token_ids))
+        if self.disabled or root is None or aligned_len == 0:
+            return 0
+        if self._child_key(token_ids, 0) not in root.children:
+            return 0
+        return self._walk(root, self._to_array(token_ids, aligned_len), None)[1]
+
     def insert(self, token_ids: IntSeq, slots: IntSeq, salt: str = "") -> InsertResult:
         """Cache token_ids[:aligned_len] with their slots; see the class docstring for ownership."""
         if len(token_ids) != len(slots):
@@ -251,9 +262,11 @@ class RadixCache:
         first = int(np.argmax(a != b))
         return first - first % self.page_size
 
-    def _walk(self, root: TreeNode, query: array[int], tick: int) -> tuple[TreeNode, int]:
+    def _walk(self, root: TreeNode, query: array[int], tick: int | None
+              ) -> tuple[TreeNode, int]:
         """Descend along query, splitting where it diverges inside a node and touching every
-        node passed; returns the deepest matched node and the matched length."""
+        node passed; returns the deepest matched node and the matched length. With tick None
+        (a peek) nothing changes and the node returned may extend past the match."""
         node, pos = root, 0
         while pos < len(query):
             child = node.children.get(self._child_key(query, pos))
@@ -261,6 +274,11 @@ class RadixCache:
                 break
             m = self._common_len(child.key, query, pos)
             assert m > 0, "a child matched by its first page must share that page"
+            if tick is None:
+                node, pos = child, pos + m
+                if m < len(child.key):
+                    break
+                continue
             if m < len(child.key):
                 child = self._split(child, m)  # the rest of child differs or the query ended
             child.last_access = tick

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from radixserve.config import ServerConfig
-from radixserve.engine_client import EngineClient
-from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY, EngineFactory
+from radixserve.ipc.client import EngineClient
+from radixserve.ipc.transport import EngineFactory
 from radixserve.kv_events import KVEventPublisher
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
@@ -107,7 +107,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     return app
 
 
-async def serve(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> int:
+async def serve(cfg: ServerConfig, factory: EngineFactory | None = None) -> int:
     """Run until SIGINT/SIGTERM (0) or until the engine fails to start (1)."""
     app = create_app(cfg, EngineClient.spawn(cfg.engine, factory))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -137,7 +137,7 @@ async def serve(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTO
     return code
 
 
-def run_server(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> int:
+def run_server(cfg: ServerConfig, factory: EngineFactory | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with contextlib.suppress(KeyboardInterrupt):

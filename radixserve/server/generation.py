@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from radixserve.messages import GenerateMsg
+from radixserve.ipc.messages import GenerateMsg
 from radixserve.server.detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
 from radixserve.server.metrics import ServerMetrics
 from radixserve.types import FinishReason, SamplingParams, TokenLogprobs, TokenOutput

@@ -27,6 +27,7 @@ _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted (retracted) under KV pressure.",
     "prompt_tokens": "Prompt tokens admitted.",
     "generation_tokens": "Tokens generated.",
+    "num_aborted_requests": "Requests the engine aborted (client gone, cancelled).",
 }
 _ENGINE_GAUGES = {
     "num_requests_running": ("num_running", "Requests in the running batch."),

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from radixserve.config import ServerConfig
-from radixserve.engine_client import EngineClient, EngineState
+from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server.auth import ApiKeys
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, stream_choice

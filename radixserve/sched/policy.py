@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixserve.types import Req
+from radixserve.sched.req import Req
 
 LPM_MAX_QUEUE = 128  # past this, matching every waiting request costs more than it saves
 AGE_GUARD_SKIPS = 16  # a request passed over this many times goes to the front
@@ -25,8 +25,8 @@ def order_waiting(waiting: Sequence[Req], match_lens: dict[str, int], policy: st
     """
     if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
-    aged = [r for r in waiting if r.extra.get("skips", 0) >= AGE_GUARD_SKIPS]
-    rest = [r for r in waiting if r.extra.get("skips", 0) < AGE_GUARD_SKIPS]
+    aged = [r for r in waiting if r.num_skips >= AGE_GUARD_SKIPS]
+    rest = [r for r in waiting if r.num_skips < AGE_GUARD_SKIPS]
     rest.sort(key=lambda r: (-match_lens.get(r.rid, 0), r.arrival))
     return aged + rest
 
