@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from radixserve.engine import LLM
+from radixserve import LLM
 from radixserve.types import SamplingParams
 
 COMPONENTS = ("schedule", "prepare", "linear", "attention", "other fwd", "sample", "process")
@@ -128,8 +128,8 @@ def one_run(llm: LLM, clock: Clock, prompts: list[list[int]], params: SamplingPa
     return {"wall": wall, "cpu": cpu, "floor": floor, "floor_cpu": floor_cpu, "secs": s,
             "steps": steps, "parts": list(clock.parts),
             "ttft_p50": statistics.median(ttfts),
-            "out_tok_s": sum(len(r.output_ids) for r in res) / wall,
-            "outputs": [r.output_ids for r in res]}
+            "out_tok_s": sum(len(r.token_ids) for r in res) / wall,
+            "outputs": [r.token_ids for r in res]}
 
 
 def report(runs: list[dict[str, Any]], threads: int) -> None:

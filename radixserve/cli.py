@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, type=typ, default=None, dest=field, help=text)
     serve.add_argument("--api-key", action="append", default=None, dest="api_keys",
                        help=f"accepted Bearer key (repeatable; also ${API_KEY_ENV})")
+    serve.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction,
+                       default=None, dest="mixed_chunk",
+                       help="run prefill chunks in the same forward as running requests' "
+                            "decode tokens (default: on)")
     serve.add_argument("--disable-radix-cache", action="store_true", default=None,
                        help="no prefix caching")
     serve.add_argument("--enable-kv-events", action="store_true", default=None,
@@ -75,7 +79,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     def given(names: list[str]) -> dict[str, Any]:
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
-    engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + ["disable_radix_cache", "enable_kv_events"]
+    engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + ["disable_radix_cache", "enable_kv_events",
+                                                          "mixed_chunk"]
     engine_kwargs = given(engine_names)
     if args.model is not None:
         engine_kwargs["model"] = args.model

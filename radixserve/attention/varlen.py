@@ -14,6 +14,7 @@ Does not know: the model, the scheduler, how the pool is laid out beyond the slo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +105,16 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v), lse
 
 
+Gather = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (cache, slots, key)
+
+
 def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, long: tuple[int, ...],
-                out: torch.Tensor, scale: float) -> None:
+                out: torch.Tensor, scale: float, gather: Gather) -> None:
     """Write into out (T, Hq, D) the attention of the long extends' tokens.
 
     q (T, Hq, D), k/v (T, Hkv, D): this forward's tokens, already stored in the pool.
+    gather(cache, slots, key) reads cached prefix K/V (S, Hkv, D), consumed before the next.
     """
     cu = [0]
     for n in meta.extend_lens_cpu:
@@ -122,8 +127,8 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
         prefix = meta.prefix_lens_cpu[b]
         if prefix:
             slots = meta.slot_table[meta.rows_cpu[b], :prefix]
-            kp = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1,Hkv,P,D)
-            vp = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            kp = gather(k_cache, slots, "k").transpose(0, 1).unsqueeze(0)  # (1, Hkv, P, D)
+            vp = gather(v_cache, slots, "v").transpose(0, 1).unsqueeze(0)
             op, lsep = _flash(qb, kp, vp, False, scale)
             # o = o_p + sigmoid(lse - lse_p) * (o - o_p): each part weighted by its mass.
             weight = torch.sigmoid(lse - lsep).unsqueeze(-1)  # (1, Hq, n, 1) float32
