@@ -1,28 +1,17 @@
 """How many CPU threads the engine's torch runs with, from the cores this process is given.
 
-Owns: reading the usable cores (the affinity mask, which taskset, cgroups cpusets and
-container limits set, not the machine's core count) and the default thread count. Does not
+Owns: reading the usable cores (the affinity mask, which taskset and cgroup cpusets set,
+not the machine's core count) and the default thread count. Does not
 know: torch (the model runner applies the number), the server.
 
-The default leaves one core to the API process (HTTP, tokenizer, detokenizer, SSE) when there
-are enough cores that the engine loses little by it; on small machines it is a measured choice
-(see default_num_threads).
+The default leaves one core to the API process (HTTP, tokenizer, detokenizer, SSE) and
+uses all the others, however many (see default_num_threads).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-# From this many usable cores on, one is left to the API process: the engine loses at most
-# 1/4 of its matmul throughput, and in exchange tokenizing and streaming never preempt an
-# OpenMP thread in the middle of a parallel region (where every other thread then waits).
-SPARE_ONE_FROM = 4
-# Below SPARE_ONE_FROM, the default uses every usable core: measured on 2 shared cores
-# (bench/README.md, "Threads"), 2 threads beat 1 on the prefill-bound workloads even with
-# the second core busy, and the API process costs the engine little (its CPU time is ~1% of
-# a run's).
-SMALL_MACHINE_THREADS_ALL = True
 
 
 @dataclass(frozen=True)
@@ -41,12 +30,18 @@ def usable_cores() -> int:
 
 
 def default_num_threads(cores: int | None = None) -> ThreadChoice:
-    """Threads for the engine when --num-threads is not given."""
+    """Threads for the engine when --num-threads is not given: every usable core but one.
+
+    No upper cap: prefill is matmul-bound and scales with cores (decode, bound by reading
+    the weights, gains less). The spare core keeps the API process (HTTP, tokenizer,
+    detokenizer, SSE) and anything else on the box from preempting an OpenMP thread in the
+    middle of a parallel region, where every other thread then waits for it. On a 2-core
+    machine whose other core is busy that wait dominates: 8 x 516-token prompts took 237 s
+    at 2 threads against 62 s at 1 (bench/README.md, "Threads"), so 2 cores get 1 thread.
+    """
     n = usable_cores() if cores is None else cores
-    if n >= SPARE_ONE_FROM:
-        return ThreadChoice(n - 1, n, f"{n} usable cores, one left to the API process")
-    if SMALL_MACHINE_THREADS_ALL or n == 1:
-        return ThreadChoice(n, n, f"{n} usable core(s), all used (too few to spare one)")
+    if n == 1:
+        return ThreadChoice(1, 1, "1 usable core")
     return ThreadChoice(n - 1, n, f"{n} usable cores, one left to the API process")
 
 
