@@ -16,6 +16,8 @@ from typing import Any
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    EVICTION_POLICIES,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     ConfigError,
     EngineConfig,
@@ -27,6 +29,7 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"
 # (flag, type, config field, help); every one optional, default from config.py.
 _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--dtype", str, "dtype", f"weights/activations dtype: {', '.join(DTYPES)}"),
+    ("--quantization", str, "quantization", f"weight quantization: {' | '.join(QUANTIZATIONS)}"),
     ("--device", str, "device", "auto | cpu | cuda"),
     ("--max-model-len", int, "max_model_len", "context length (default: the model's)"),
     ("--kv-cache-tokens", int, "kv_cache_tokens", "KV pool size in tokens (default: from memory)"),
@@ -38,6 +41,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
     ("--seed", int, "seed", "engine random seed"),
     ("--num-threads", int, "num_threads", "torch CPU threads"),
+    ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
+    ("--tenant-cache-quota", float, "tenant_cache_quota",
+     "fraction of the KV pool one API key may keep cached before it is evicted first"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
+EVICTION_POLICIES = ("lru", "slru")
 
 
 class ConfigError(ValueError):
@@ -20,7 +22,10 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX, else float32
+    # auto: bfloat16 on CUDA, on CPUs with AMX, and on AVX512-BF16 CPUs where a start-up
+    # matmul measures it faster than fp32; else float32 (model/auto_dtype.py)
+    dtype: str = "auto"
+    quantization: str | None = None  # "int8": int8 weights for every linear layer
     device: str = "auto"  # auto: cuda if available else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped)
     kv_cache_tokens: int | None = None  # default: sized from free memory
@@ -37,10 +42,17 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     enable_kv_events: bool = False
+    eviction_policy: str = "lru"  # slru: prefixes hit more than once outlive one-off prompts
+    # Fraction of the KV pool a tenant (API key) may keep cached before eviction takes from it
+    # first; None: no quotas.
+    tenant_cache_quota: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unsupported quantization {self.quantization!r}; supported: "
+                              f"{', '.join(QUANTIZATIONS)} (or none)")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ConfigError(
                 f"unknown schedule policy {self.schedule_policy!r}; "
@@ -61,6 +73,12 @@ class EngineConfig:
             raise ConfigError("max_running_requests must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ConfigError("max_prefill_tokens must be >= 1")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction_policy!r}; "
+                              f"supported: {', '.join(EVICTION_POLICIES)}")
+        if self.tenant_cache_quota is not None and not 0 < self.tenant_cache_quota <= 1:
+            raise ConfigError(
+                f"tenant_cache_quota must be in (0, 1], got {self.tenant_cache_quota}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
 

@@ -171,3 +171,13 @@ def test_token_id_range() -> None:
     check_token_ids((0, 9), 10, "prompt")
     with pytest.raises(InvalidRequestError, match="out of range"):
         check_token_ids((10,), 10, "prompt")
+
+
+def test_priority_field_on_every_route() -> None:
+    assert parse_completion({"prompt": "a", "priority": -2}).opts.priority == -2
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}).opts.priority == 0
+    assert parse_generate({"text": "a", "priority": 7}).opts.priority == 7
+    for bad_value in ("high", 1.5, 10**9, True):
+        with pytest.raises(InvalidRequestError) as err:
+            parse_completion({"prompt": "a", "priority": bad_value})
+        assert err.value.param == "priority"

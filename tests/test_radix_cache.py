@@ -210,7 +210,7 @@ def test_heap_stays_bounded_under_lock_churn() -> None:
         cache.lock(node)
         cache.unlock(node)
         cache.match_prefix([1, 2, 3])
-    assert len(cache._heap) <= 2 * len(cache._evictable_leaves) + 65
+    assert cache._queue._num_entries <= 2 * len(cache._queue.leaves) + 65
     assert cache.evict(1) == [0, 1, 2]
     cache.check_integrity()
 

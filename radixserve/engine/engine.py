@@ -29,8 +29,12 @@ class Engine:
         pool = self.runner.pool
         self.allocator = PageAllocator(pool.size.num_pages, pool.size.page_size)
         self._events: list[CacheEvent] = []
-        self.cache = RadixCache(pool.size.page_size, disabled=cfg.disable_radix_cache,
-                                on_event=self._events.append if cfg.enable_kv_events else None)
+        quota = cfg.tenant_cache_quota
+        self.cache = RadixCache(
+            pool.size.page_size, disabled=cfg.disable_radix_cache,
+            on_event=self._events.append if cfg.enable_kv_events else None,
+            eviction_policy=cfg.eviction_policy,
+            tenant_quota_tokens=None if quota is None else int(quota * pool.size.num_slots))
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, ReqTable(pool.slot_table),
                                    self.runner.max_model_len, self.runner.spec.vocab_size,
                                    self.runner.eos_token_ids)
@@ -44,6 +48,7 @@ class Engine:
             "kv_cache_tokens": r.pool.size.num_slots, "page_size": r.pool.size.page_size,
             "max_concurrency": r.pool.size.num_slots / r.max_model_len,
             "dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device),
+            "quantization": self.cfg.quantization,
             "eos_token_ids": list(r.eos_token_ids), "attention_backend": r.backend_name,
             "disable_radix_cache": self.cfg.disable_radix_cache,
             "schedule_policy": self.cfg.schedule_policy,
@@ -53,7 +58,7 @@ class Engine:
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
-        self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt)
+        self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt, msg.priority)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)

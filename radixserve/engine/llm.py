@@ -66,11 +66,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | Sequence[str] = "",
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (one continuous batch) and run until all finish.
 
-        `prompts`: one string, a list of strings, or a list of token-id lists. `params` and
-        `cache_salt`: one for all, or one per prompt (a length mismatch raises ValueError).
+        `prompts`: one string, a list of strings, or a list of token-id lists. `params`,
+        `cache_salt` and `priority` (lower = more important): one for all, or one per prompt
+        (a length mismatch raises ValueError).
         """
         from radixserve.tokenizer import encode_prompt
 
@@ -79,13 +81,15 @@ class LLM:
         params_list = _per_prompt(params if params is not None else SamplingParams(), n,
                                   SamplingParams, "params")
         salts = _per_prompt(cache_salt, n, str, "cache_salt")
+        priorities = _per_prompt(priority, n, int, "priority")
         results: dict[str, RequestOutput] = {}
         try:
-            for prompt, p, salt in zip(prompt_list, params_list, salts, strict=True):
+            for prompt, p, salt, prio in zip(prompt_list, params_list, salts, priorities,
+                                             strict=True):
                 ids = (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str)
                        else [int(t) for t in prompt])
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(GenerateMsg(rid, ids, p, salt))
+                self.engine.add_request(GenerateMsg(rid, ids, p, salt, prio))
                 results[rid] = RequestOutput(rid, ids)
         except Exception:
             for rid in results:  # all or nothing: withdraw the prompts already queued

@@ -21,6 +21,7 @@ from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.cpu_threads import choose_num_threads
 from radixserve.engine.sampler import Sampler, SampleResult
+from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import ModelSpec, read_model_spec
@@ -34,22 +35,15 @@ CPU_KV_BUDGET_BYTES = 1 << 30  # default on CPU; --kv-cache-tokens overrides
 GPU_MEMORY_FRACTION = 0.85
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
 def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     if cfg.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(cfg.device)
     if cfg.dtype == "auto":
-        fast_bf16 = device.type == "cuda" or _cpu_has_amx()
-        return device, torch.bfloat16 if fast_bf16 else torch.float32
+        choice = choose_auto_dtype(device, cpu_flags())
+        logger.info("%s", choice.describe())
+        return device, choice.dtype
     return device, getattr(torch, cfg.dtype)
 
 
@@ -119,7 +113,11 @@ class ModelRunner:
         rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
                              self.device)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
-        self.model = LlamaModel(self.spec, weights, rotary, backend)
+        self.model = LlamaModel(self.spec, weights, rotary, backend, cfg.quantization)
+        layer_bytes, head_bytes = self.model.linear_weight_bytes()
+        logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
+                    layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
+                    f", {cfg.quantization}" if cfg.quantization else "")
         self.pool = KVPool(self._pool_size(cfg), self.spec.num_layers, self.spec.num_kv_heads,
                            self.spec.head_dim, cfg.max_running_requests, self.max_model_len,
                            self.dtype, self.device)

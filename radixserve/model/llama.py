@@ -2,7 +2,8 @@
 
 Owns: the math of one forward: embeddings, RMSNorm, fused QKV + RoPE, attention through an
 AttentionBackend, SwiGLU MLP, final norm and the LM head on the rows that need logits, and
-the layout the linear weights are kept in (prepacked for oneDNN on CPU in bf16).
+the layout the linear weights are kept in (prepacked for oneDNN on CPU in bf16, or int8 with
+per-channel scales under quantization, see quant.py).
 Does not know: requests, the scheduler, sampling. Tokens of all requests are concatenated
 (no padding); the AttentionMetadata says which request each token belongs to.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.model.quant import Int8Linear
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import ModelSpec
 from radixserve.model.weights import ModelWeights
@@ -66,6 +68,13 @@ class Linear:
         # NOTE: the packed copy replaces the weight: one copy in memory.
         self.weight = weight if self.packed is None else None
 
+    @property
+    def nbytes(self) -> int:
+        w = self.packed if self.packed is not None else self.weight
+        assert w is not None
+        n = w.numel() * w.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         if self.packed is not None:
             y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
@@ -83,6 +92,14 @@ class Linear:
         return residual + self(x)
 
 
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None
+                ) -> Linear | Int8Linear:
+    if quantization == "int8":
+        return Int8Linear(weight, bias)
+    assert quantization is None, quantization  # validated at the edge (EngineConfig)
+    return Linear(weight, bias)
+
+
 class GatedMLP:
     """residual + down(silu(gate(x)) * up(x)).
 
@@ -92,15 +109,30 @@ class GatedMLP:
     the fused gate_up weight.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
+                 quantization: str | None = None) -> None:
         inter = gate_up.shape[0] // 2
-        gate, up = _prepack(gate_up[:inter]), _prepack(gate_up[inter:])
-        self.gate_up = gate_up if gate is None or up is None else None
+        self.down = make_linear(down, None, quantization)
+        # int8: one fused gate_up matmul (the int8 kernels have no epilogues).
+        self.gate_up_q = Int8Linear(gate_up) if quantization == "int8" else None
+        gate = up = None
+        if self.gate_up_q is None:
+            gate, up = _prepack(gate_up[:inter]), _prepack(gate_up[inter:])
+        self.gate_up = gate_up if self.gate_up_q is None and (gate is None or up is None) else None
         self.gate, self.up = gate, up
-        self.down = Linear(down)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.gate_up_q, self.gate_up, self.gate, self.up]
+        n = sum(p.nbytes if isinstance(p, Int8Linear) else p.numel() * p.element_size()
+                for p in parts if p is not None)
+        return n + self.down.nbytes
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
+        if self.gate_up_q is not None:
+            gate, up = self.gate_up_q(x).chunk(2, dim=-1)  # (M, inter) each
+            act = F.silu(gate) * up
+        elif self.gate_up is None:
             lp = torch.ops.mkldnn._linear_pointwise
             act = lp(x, self.gate, None, "swish", [], "")  # silu(x @ gate.T): (M, inter)
             act = lp.binary(x, act, self.up, None, "mul")  # (x @ up.T) * act
@@ -113,15 +145,16 @@ class GatedMLP:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # (hidden,)
-    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
-    o_proj: Linear  # heads * head_dim -> hidden
+    qkv: Linear | Int8Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o_proj: Linear | Int8Linear  # heads * head_dim -> hidden
     post_norm: torch.Tensor  # (hidden,)
     mlp: GatedMLP
 
 
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, quantization: str | None = None,
+                 quantize_lm_head: bool = True) -> None:
         self.spec = spec
         self.rotary = rotary
         self.backend = backend
@@ -132,14 +165,20 @@ class LlamaModel:
         # (possibly prepacked) Linear, so the model holds one copy of each.
         self.embed = weights.embed  # (vocab, hidden)
         self.final_norm = weights.final_norm  # (hidden,)
+        q = quantization
         self.layers = [
-            _Layer(lw.input_norm, Linear(lw.qkv, lw.qkv_bias), Linear(lw.o_proj), lw.post_norm,
-                   GatedMLP(lw.gate_up, lw.down))
+            _Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, q), make_linear(lw.o_proj, None, q),
+                   lw.post_norm, GatedMLP(lw.gate_up, lw.down, q))
             for lw in weights.layers
         ]
-        # Tied embeddings: the packed LM head is a second layout of the embedding (+vocab x
-        # hidden bf16), worth it since the head is the largest single matmul of a step.
-        self.lm_head = Linear(weights.lm_head)
+        # Tied embeddings: the packed (or int8) LM head is a second layout of the embedding
+        # (+vocab x hidden), worth it since the head is the largest single matmul of a step.
+        self.lm_head = make_linear(weights.lm_head, None, q if quantize_lm_head else None)
+
+    def linear_weight_bytes(self) -> tuple[int, int]:
+        """(bytes of the decoder layers' linear weights, bytes of the LM head's weight)."""
+        layers = sum(lay.qkv.nbytes + lay.o_proj.nbytes + lay.mlp.nbytes for lay in self.layers)
+        return layers, self.lm_head.nbytes
 
     @torch.inference_mode()
     def forward(

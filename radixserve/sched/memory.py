@@ -92,7 +92,8 @@ class MemoryManager:
         req.table_row = row
         if not self.disabled:
             # Leave at least one token to compute: its logits give the next token.
-            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt,
+                                            priority=req.priority)
             self.cache.lock(match.node)
             req.cache_node, req.slots = match.node, list(match.slots)
             req.prefix_len = req.cached_len = match.cached_len
@@ -125,7 +126,7 @@ class MemoryManager:
         k = req.cached_len // self.page * self.page
         if k <= req.prefix_len:
             return
-        ins = self.cache.insert(req.token_ids[:k], req.slots[:k], req.cache_salt)
+        ins = self.cache.insert(req.token_ids[:k], req.slots[:k], req.cache_salt, req.priority)
         dup = req.slots[req.prefix_len : ins.num_already_cached]
         match = self.cache.match_prefix(req.token_ids[:k], req.cache_salt)
         assert match.cached_len == k, (match.cached_len, k)

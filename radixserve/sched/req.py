@@ -39,6 +39,7 @@ class Req:
     params: SamplingParams
     max_new_tokens: int  # resolved: params.max_tokens capped by the context
     cache_salt: str = ""
+    priority: int = 0  # lower = more important: admitted first, preempted last, cache kept longer
     arrival: float = 0.0
     status: ReqStatus = ReqStatus.WAITING
     cached_len: int = 0

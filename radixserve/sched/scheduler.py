@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
@@ -58,7 +59,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            cache_salt: str = "") -> Req:
+            cache_salt: str = "", priority: int = 0) -> Req:
         """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
         n = len(prompt_ids)
         if rid in self.reqs:
@@ -75,7 +76,8 @@ class Scheduler:
                 f"you requested {n + max_new} tokens ({n} in the prompt, {max_new} in the "
                 f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
         req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=n, params=params,
-                  max_new_tokens=max_new, cache_salt=cache_salt, arrival=time.monotonic())
+                  max_new_tokens=max_new, cache_salt=cache_salt, priority=priority,
+                  arrival=time.monotonic())
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
@@ -223,9 +225,10 @@ class Scheduler:
                       if all(r is not e for e in exclude)]
         if not candidates:
             return None
-        # The request that loses least: fewest output tokens, least prompt computed, then the
-        # longest prompt (most of which stays in the tree and is matched back on resumption).
-        return min(candidates, key=lambda r: (r.num_output_tokens, r.cached_len,
+        # The least important request first; among equals the one that loses least: fewest
+        # output tokens, least prompt computed, then the longest prompt (most of which stays
+        # in the tree and is matched back on resumption).
+        return min(candidates, key=lambda r: (-r.priority, r.num_output_tokens, r.cached_len,
                                               -r.num_prompt_tokens))
 
     def _retract(self, req: Req) -> None:
@@ -307,7 +310,7 @@ class Scheduler:
         self.mem.flush_cache()
         return True
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         live = self.running + self.prefilling
         kv = self.mem.usage(live)
         return {
@@ -315,6 +318,8 @@ class Scheduler:
             "kv_total_tokens": kv.total, "kv_free_tokens": kv.free,
             "kv_cached_tokens": kv.cached, "kv_evictable_tokens": kv.evictable,
             "kv_held_tokens": kv.held, **self.counters,
+            # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
+            "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
         }
 
     def check_integrity(self) -> None:

@@ -43,10 +43,11 @@ _SAMPLING_FIELDS = frozenset({
     "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
     "max_tokens", "max_completion_tokens",
 })
-_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options"}
+_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs"}
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream"})
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority"})
+MAX_ABS_PRIORITY = 1_000_000
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n",
 }
@@ -62,6 +63,7 @@ class RequestOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    priority: int = 0  # lower = more important (vLLM); orders admission, preemption, eviction
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         check_fields(stream_options, frozenset({"include_usage"}), "stream_options")
         include_usage = bool(get_bool(stream_options, "include_usage", "stream_options"))
-    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage)
+    priority = get_int(body, "priority", lo=-MAX_ABS_PRIORITY, hi=MAX_ABS_PRIORITY) or 0
+    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority)
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
@@ -245,4 +248,5 @@ def parse_generate(body: Any) -> GenerateRequest:
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
+    renamed["priority"] = body.get("priority")
     return GenerateRequest(prompt, _parse_options(renamed, None, None))

@@ -169,7 +169,7 @@ class ServerState:
                 if params.seed is not None and i:
                     choice_params = dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
                 jobs.append(ChoiceJob(len(jobs), p_idx, uuid.uuid4().hex, tuple(ids),
-                                      choice_params, opts.stop, salt))
+                                      choice_params, opts.stop, salt, opts.priority))
         return jobs
 
     def stream(self, job: ChoiceJob, arrival: float) -> AsyncGenerator[ChoiceChunk, None]:

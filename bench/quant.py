@@ -1,0 +1,150 @@
+"""Int8 weights and bf16 against fp32, side by side in one run: speed, memory, quality.
+
+    python -m bench.quant                       # smollm2-135m, median of 3
+    python -m bench.quant --runs 1 --configs fp32,int8
+
+Configs: fp32, bf16, int8 (fp32 activations; the kernels of model/quant.py: weight-only for
+<= 2 rows, dynamic int8 activations above), int8-fphead (LM head kept in float), int8-bf16
+(bf16 activations), int8-wonly (the weight-only kernel at every row count: no activation
+quantization, isolates its cost in quality; slow at 32 rows).
+
+Every engine is loaded once and the runs interleave (config A, B, C, A, B, C, ...), so that
+load on this shared machine hits all of them alike. Speed: decode tok/s of one sequence and
+of 32 at once (tokens after the first / time after the last first token), prefill tok/s of
+one 2048-token prompt (a fresh cache salt each run). Quality: 32 chat prompts x 32 greedy
+tokens in one batch, against fp32: the fraction of tokens identical to fp32's before the first
+divergence and overall (position by position), and the mean |log-prob| difference of the
+chosen token over the positions before the first divergence (same context on both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from radixserve import LLM, SamplingParams
+from radixserve.model.llama import make_linear
+from radixserve.model.quant import Int8Linear
+
+TOPICS = [
+    "photosynthesis", "the French revolution", "black holes", "how vaccines work", "the stock market",
+    "volcanoes", "machine learning", "the water cycle", "ancient Egypt", "climate change",
+    "the human heart", "electric cars", "chess openings", "the moon landing", "coffee brewing",
+    "honey bees", "the internet", "plate tectonics", "Shakespeare", "solar panels",
+    "the immune system", "Roman roads", "jazz music", "DNA replication", "rainbows",
+    "the printing press", "recycling plastics", "sleep", "the Great Wall of China", "tides",
+    "prime numbers", "bread baking",
+]
+# name -> (LLM kwargs, keep the LM head in float, weight-only kernel for every row count)
+CONFIGS: dict[str, tuple[dict[str, str], bool, bool]] = {
+    "fp32": ({"dtype": "float32"}, False, False),
+    "bf16": ({"dtype": "bfloat16"}, False, False),
+    "int8": ({"dtype": "float32", "quantization": "int8"}, False, False),
+    "int8-fphead": ({"dtype": "float32", "quantization": "int8"}, True, False),
+    "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, False, False),
+    "int8-wonly": ({"dtype": "float32", "quantization": "int8"}, False, True),
+}
+
+
+@dataclass
+class Quality:
+    prefix_agree: float  # tokens identical before the first divergence / fp32's tokens
+    overall_agree: float  # tokens identical position by position / fp32's tokens
+    mean_abs_logprob_diff: float  # over positions before the first divergence
+
+
+def load(name: str, model: str) -> LLM:
+    kwargs, float_head, weight_only = CONFIGS[name]
+    llm = LLM(model, kv_cache_tokens=6144, max_model_len=4096, **kwargs)  # type: ignore[arg-type]
+    m = llm.engine.runner.model
+    if float_head:  # the LM head in the activation dtype, the layers int8
+        m.lm_head = make_linear(m.embed, None, None)
+    if weight_only:  # int8 weights x bf16 activations at every row count: no activation quant
+        linears = [m.lm_head] + [x for lay in m.layers
+                                 for x in (lay.qkv, lay.o_proj, lay.mlp.gate_up_q, lay.mlp.down)]
+        for lin in linears:
+            if isinstance(lin, Int8Linear):
+                lin.weight_only_max_rows = 1 << 30
+    return llm
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], salt: str) -> float:
+    """Decode tokens/s of len(prompts) sequences run together, 33 tokens each."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+                        cache_salt=salt)
+    start = max(o.ttft for o in outs)
+    return sum(len(o.token_ids) - 1 for o in outs) / (max(o.latency for o in outs) - start)
+
+
+def prefill_rate(llm: LLM, prompt: list[int], salt: str) -> float:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), cache_salt=salt)[0]
+    return len(prompt) / out.ttft
+
+
+def quality(ref: list[tuple[list[int], list[float]]],
+            got: list[tuple[list[int], list[float]]]) -> Quality:
+    total = prefix = same = 0
+    diffs: list[float] = []
+    for (rt, rl), (gt, gl) in zip(ref, got, strict=True):
+        total += len(rt)
+        same += sum(a == b for a, b in zip(rt, gt, strict=False))
+        k = 0
+        while k < min(len(rt), len(gt)) and rt[k] == gt[k]:
+            diffs.append(abs(rl[k] - gl[k]))
+            k += 1
+        prefix += k
+    return Quality(prefix / total, same / total, statistics.fmean(diffs) if diffs else 0.0)
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, logprobs=0),
+                        cache_salt="quality")
+    return [(o.token_ids, [lp.token_logprob for lp in o.logprobs]) for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    assert names[0] == "fp32", "fp32 first: it is the reference"
+    llms = {n: load(n, args.model) for n in names}
+    tok = llms["fp32"].tokenizer
+    from radixserve.tokenizer import encode_chat
+
+    chats = [encode_chat(tok, [{"role": "user", "content": f"Explain {t} in two sentences."}])
+             for t in TOPICS]
+    g = torch.Generator().manual_seed(0)
+    long_prompt = torch.randint(100, 40000, (args.prefill_tokens,), generator=g).tolist()
+    rates: dict[str, dict[str, list[float]]] = {n: {"b1": [], "b32": [], "pre": []} for n in names}
+    for run in range(args.runs):
+        for n, llm in llms.items():
+            rates[n]["b1"].append(decode_rate(llm, chats[:1], f"b1-{run}"))
+            rates[n]["b32"].append(decode_rate(llm, chats, f"b32-{run}"))
+            rates[n]["pre"].append(prefill_rate(llm, long_prompt, f"pre-{run}"))
+            print(f"run {run} {n}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates[n].items()),
+                  flush=True)
+    ref = greedy(llms["fp32"], chats)
+    threads = torch.get_num_threads()
+    print(f"\n{args.model}, {threads} thread(s), median of {args.runs}; ratios against fp32")
+    print(f"{'config':<12} {'decode b1':>16} {'decode b32':>16} {'prefill':>16} "
+          f"{'linear MB':>10} {'prefix agr':>10} {'overall':>8} {'|dlogp|':>8}")
+    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rates.items()}
+    for n, llm in llms.items():
+        q = quality(ref, greedy(llm, chats)) if n != "fp32" else Quality(1.0, 1.0, 0.0)
+        layers, head = llm.engine.runner.model.linear_weight_bytes()
+        cells = [f"{med[n][k]:7.1f} ({med[n][k] / med['fp32'][k]:4.2f}x)" for k in
+                 ("b1", "b32", "pre")]
+        print(f"{n:<12} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
+              f"{(layers + head) / 1e6:10.1f} {q.prefix_agree:10.3f} {q.overall_agree:8.3f} "
+              f"{q.mean_abs_logprob_diff:8.4f}")
+
+
+if __name__ == "__main__":
+    main()
