@@ -48,5 +48,5 @@ def default_num_threads(cores: int | None = None) -> ThreadChoice:
 def choose_num_threads(configured: int | None) -> ThreadChoice:
     if configured:
         n = usable_cores()
-        return ThreadChoice(configured, n, f"--num-threads {configured} ({n} usable cores)")
+        return ThreadChoice(configured, n, f"set by --num-threads; {n} usable cores")
     return default_num_threads()

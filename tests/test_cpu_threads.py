@@ -30,4 +30,4 @@ def test_configured_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     choice = choose_num_threads(2)
     assert (choice.num_threads, choice.usable_cores) == (2, 2)
-    assert choice.reason == "--num-threads 2 (2 usable cores)"
+    assert choice.reason == "set by --num-threads; 2 usable cores"
