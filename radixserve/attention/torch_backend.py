@@ -65,8 +65,9 @@ class Scratch:
     """Reused buffers that K/V are gathered into from the pool.
 
     A gather into fresh memory pays the page faults of a new multi-MB tensor on every layer:
-    a 32-request decode step over ~540-token contexts gathered 3-5x faster into a reused
-    buffer. Invariant: what gather() returns is consumed before the next gather of that key.
+    a 32-request decode step over ~540-token contexts gathered 2-5x faster (a noisy
+    micro-benchmark) into a reused buffer. Invariant: what gather() returns is consumed
+    before the next gather of that key.
     """
 
     def __init__(self) -> None:
