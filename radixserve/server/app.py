@@ -23,6 +23,7 @@ from radixserve.ipc.transport import EngineFactory
 from radixserve.kv_events import KVEventPublisher
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
+from radixserve.server.routes_cache import add_cache_routes
 from radixserve.server.routes_native import add_native_routes
 from radixserve.server.routes_openai import add_openai_routes
 from radixserve.server.state import API_KEY_FIELD, STATE_KEY, ServerState
@@ -96,6 +97,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
     add_openai_routes(app)
+    add_cache_routes(app)
     add_native_routes(app)
     if cfg.engine.enable_kv_events:
         publisher = KVEventPublisher()

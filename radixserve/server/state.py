@@ -60,7 +60,9 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, client: EngineClient) -> None:
         self.cfg = cfg
         self.client = client
-        self.auth = ApiKeys(cfg.api_keys, cfg.shared_cache)
+        # The admin key authenticates too (admin routes check that it is the admin's).
+        admin = (cfg.admin_key,) if cfg.admin_key and cfg.api_keys else ()
+        self.auth = ApiKeys(cfg.api_keys + admin, cfg.shared_cache)
         self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue)
         self.metrics = ServerMetrics(lambda: self.client.stats)
         self.started = time.time()
