@@ -153,7 +153,10 @@ def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str,
                 "--port", "{port}", "--dtype", "bfloat16", "--max-model-len", "2048",
                 "--enable-prompt-tokens-details",
                 *shlex.split(args.vllm_args))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        # The cores vLLM's OpenMP threads are bound to (one thread per core): 0-1 unless the
+        # caller's environment says otherwise (VLLM_CPU_OMP_THREADS_BIND=0 for one thread).
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2",
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
         systems += [SystemSpec("vllm", (*vllm, "--enable-prefix-caching"), env, cwd=tmp),
                     SystemSpec("vllm-nocache", (*vllm, "--no-enable-prefix-caching"), env,
                                cwd=tmp)]

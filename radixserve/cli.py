@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, type=typ, default=None, dest=field, help=text)
     serve.add_argument("--api-key", action="append", default=None, dest="api_keys",
                        help=f"accepted Bearer key (repeatable; also ${API_KEY_ENV})")
+    serve.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction,
+                       default=None, dest="mixed_chunk",
+                       help="run prefill chunks in the same forward as running requests' "
+                            "decode tokens (default: on)")
     serve.add_argument("--admin-key", default=None, dest="admin_key",
                        help="Bearer key for admin routes (/cache/pin, /cache/pins)")
     serve.add_argument("--max-pinned-tokens", type=int, default=None, dest="max_pinned_tokens",
@@ -89,7 +93,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
-        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens"]
+        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk"]
     engine_kwargs = given(engine_names)
     if args.model is not None:
         engine_kwargs["model"] = args.model

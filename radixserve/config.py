@@ -34,6 +34,9 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # token budget of one extend batch
     chunked_prefill_size: int = 2048  # 0 disables chunking
+    # While requests decode, prefill chunks (up to chunked_prefill_size tokens) share their
+    # forward (MIXED steps); False: decode and prefill steps alternate.
+    mixed_chunk: bool = True
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     attention_backend: str = "auto"

@@ -32,6 +32,7 @@ class FinishReason(enum.Enum):
 class Phase(enum.Enum):
     EXTEND = "extend"  # prefill of (part of) the uncached suffix of each request
     DECODE = "decode"  # one new token per request
+    MIXED = "mixed"  # one new token for each running request, then prefill chunks
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,13 @@ def test_cache_on_off_and_chunking_give_identical_tokens(tiny_llama: Path) -> No
     assert run_checked(cached, prompts) == base  # second wave: fully warm
     chunked = make_llm(tiny_llama, chunked_prefill_size=16, max_prefill_tokens=24)
     assert run_checked(chunked, prompts) == base
+    alternating = make_llm(tiny_llama, chunked_prefill_size=16, max_prefill_tokens=24,
+                           mixed_chunk=False)
+    assert run_checked(alternating, prompts) == base
+    # decode tokens next to 64-token chunks: the cascade and the varlen path in one forward
+    long_chunks = make_llm(tiny_llama, chunked_prefill_size=64, max_prefill_tokens=80,
+                           disable_radix_cache=True)
+    assert run_checked(long_chunks, prompts) == base
     paged = make_llm(tiny_llama, page_size=4)
     assert run_checked(paged, prompts) == base
 

@@ -17,7 +17,7 @@ from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
-from radixserve.types import FinishReason, SamplingParams
+from radixserve.types import FinishReason, Phase, SamplingParams
 
 VOCAB = 50
 EOS = 0
@@ -56,13 +56,14 @@ workloads = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads, pages=st.integers(100, 300), page_size=st.sampled_from([1, 4]),
-       chunk=st.sampled_from([0, 8]), disable=st.booleans(), policy=st.sampled_from(["lpm", "fcfs"]))
+       chunk=st.sampled_from([0, 8]), disable=st.booleans(), policy=st.sampled_from(["lpm", "fcfs"]),
+       mixed=st.booleans())
 def test_random_workloads_finish_exactly(workload: list[tuple[int, int, int, bool]], pages: int,
                                          page_size: int, chunk: int, disable: bool,
-                                         policy: str) -> None:
+                                         policy: str, mixed: bool) -> None:
     pages = max(pages // page_size, 100 // page_size)  # one request (<= 94 tokens) fits
     s = make_scheduler(pages, page_size, chunked_prefill_size=chunk, max_prefill_tokens=48,
-                       disable_radix_cache=disable, schedule_policy=policy)
+                       disable_radix_cache=disable, schedule_policy=policy, mixed_chunk=mixed)
     prefixes = [[(7 * g + i) % (VOCAB - 1) + 1 for i in range(30)] for g in range(3)]
     want, got, finish = {}, {}, {}
     for i, (g, plen, max_tokens, _abort) in enumerate(workload):
@@ -163,3 +164,53 @@ def test_one_real_prefix_match_per_admission() -> None:
     assert calls == {"match": len(batch.reqs), "peek": 5}
     assert [r.cached_len for r in batch.reqs] == [30] * len(batch.reqs)
     sched.check_integrity()
+
+
+def run_steps(s: Scheduler) -> list[Batch]:
+    batches = []
+    while s.has_work():
+        batch = s.schedule()
+        assert batch is not None
+        s.process_outputs(batch, fake_run(batch))
+        s.check_integrity()
+        batches.append(batch)
+    return batches
+
+
+def test_mixed_steps_keep_decoding_while_prompts_prefill() -> None:
+    """Decode-first mixed steps: once a request has its first token, every step until it
+    finishes carries its next token (no step of prefill alone), and each step's prefill part
+    stays within one chunk."""
+    s = make_scheduler(2000, 1, chunked_prefill_size=16, max_prefill_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(4):
+        s.add(f"r{i}", [i + 1] * 40, params)
+    batches = run_steps(s)
+    assert [b.phase for b in batches] == [Phase.EXTEND] * 3 + [Phase.MIXED] * 7 + [
+        Phase.DECODE] * 5
+    assert [r.rid for r in batches[3].reqs] == ["r0", "r1"] and batches[3].num_decodes == 1
+    assert batches[3].extend_lens == [1, 16]
+    assert batches[7].extend_lens == [1, 1, 8, 8] and batches[7].num_decodes == 2
+    first_token_step = {}
+    for i, b in enumerate(batches):
+        assert sum(b.extend_lens[b.num_decodes:]) <= 16
+        for j, r in enumerate(b.reqs):
+            if b.sample[j] and r.rid not in first_token_step:
+                first_token_step[r.rid] = i
+    assert first_token_step == {"r0": 2, "r1": 4, "r2": 7, "r3": 9}
+    for rid, first in first_token_step.items():
+        # 6 tokens: the first from the prefill, then 5 consecutive steps with a decode token
+        carried = [i for i, b in enumerate(batches) if i > first
+                   and any(r.rid == rid for r in b.reqs)]
+        assert carried == list(range(first + 1, first + 6)), rid
+
+
+def test_alternating_steps_without_mixed_chunk() -> None:
+    s = make_scheduler(2000, 1, chunked_prefill_size=16, max_prefill_tokens=16,
+                       mixed_chunk=False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(4):
+        s.add(f"r{i}", [i + 1] * 40, params)
+    phases = [b.phase for b in run_steps(s)]
+    assert Phase.MIXED not in phases
+    assert phases[:7] == [Phase.EXTEND] * 3 + [Phase.DECODE, Phase.EXTEND] * 2

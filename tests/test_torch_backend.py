@@ -114,6 +114,12 @@ CASES = {
     "extend, no group": (Phase.EXTEND, [0, 30, 7], [12, 3, 20], []),
     "extend, lone request": (Phase.EXTEND, [40], [17], []),
     "decode, lone request": (Phase.DECODE, [40], [1], []),
+    # long extends (>= MIN_VARLEN_TOKENS new tokens) take the varlen path, the rest the cascade
+    "extend, long chunk alone": (Phase.EXTEND, [0], [130], []),
+    "extend, long chunks after prefixes": (Phase.EXTEND, [64, 64, 10], [70, 65, 3],
+                                           [([0, 1], 64)]),
+    "mixed, decodes + long chunks": (Phase.EXTEND, [70, 0, 75, 40, 66], [1, 80, 1, 100, 4],
+                                     [([0, 2, 4], 64)]),
 }
 
 
@@ -143,8 +149,8 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.shape == (T, HKV * G, D) and out.dtype == dtype and out.device == q.device
     torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
-    # a second layer reuses the plan; its cache differs, so its output must too
-    out2 = backend.forward(q, k, v, k_cache * 2, v_cache, meta, D**-0.5)
+    # a second layer reuses the plan; its keys differ, so its output must too
+    out2 = backend.forward(q, k * 2, v, k_cache * 2, v_cache, meta, D**-0.5)
     assert not torch.equal(out2, out)
 
 

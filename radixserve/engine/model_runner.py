@@ -19,6 +19,7 @@ from radixserve.attention.base import AttentionBackend, AttentionMetadata, Share
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
+from radixserve.cpu_threads import choose_num_threads
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
@@ -54,25 +55,6 @@ def _choose_backend(name: str, device: torch.device) -> tuple[str, AttentionBack
 
         return name, TritonAttentionBackend()
     return name, TorchAttentionBackend()
-
-
-MAX_DEFAULT_THREADS = 4  # measured only up to 2 cores; small decode ops gain little from more
-
-
-def default_num_threads() -> int:
-    """Torch threads when none are configured: every core this process may use but one.
-
-    The spare core is for the HTTP process (tokenizer, detokenizer, SSE) next to the engine,
-    or whatever else runs on the box. On the 2-core reference machine 2 threads made a step
-    1.5x faster only while the second core was idle; with anything else running there, every
-    parallel region waited on a preempted thread and steps took 5-20x longer (a 516-token
-    prefill: 0.26 s at 1 thread, 5.5 s at 2). One thread per spare core is the safe default.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores - 1, MAX_DEFAULT_THREADS))
 
 
 MIN_SHARED_PREFIX = 64  # shorter shared prefixes are cheaper to attend per request
@@ -114,7 +96,9 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, show_progress: bool = True) -> None:
         self.device, self.dtype = resolve_device_dtype(cfg)
         if cfg.num_threads or self.device.type == "cpu":
-            torch.set_num_threads(cfg.num_threads or default_num_threads())
+            threads = choose_num_threads(cfg.num_threads)
+            torch.set_num_threads(threads.num_threads)
+            logger.info("torch threads: %d (%s)", threads.num_threads, threads.reason)
         self.resolved: ResolvedModel = resolve_model(cfg.model)
         self.spec: ModelSpec = read_model_spec(self.resolved.hf_dir)
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,

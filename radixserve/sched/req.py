@@ -86,12 +86,18 @@ class Batch:
 
     For EXTEND, request i computes tokens [reqs[i].cached_len, + extend_lens[i]) and samples
     only when `sample[i]` (its last chunk). For DECODE, every request computes one token.
+    MIXED is a DECODE batch of the first `num_decodes` requests followed by an EXTEND batch.
     """
 
     phase: Phase
     reqs: list[Req]
     extend_lens: list[int]
     sample: list[bool]
+    num_decodes: int = 0  # MIXED only: reqs[:num_decodes] are running requests' decode tokens
+
+    def is_prefill(self, i: int) -> bool:
+        """Whether reqs[i] computes prompt tokens (EXTEND, or the extend part of MIXED)."""
+        return self.phase is Phase.EXTEND or (self.phase is Phase.MIXED and i >= self.num_decodes)
 
     @property
     def size(self) -> int:

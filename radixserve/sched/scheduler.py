@@ -5,10 +5,13 @@ ownership. Each page is free (PageAllocator), cached (RadixCache) or held by exa
 request: `req.slots[req.prefix_len:]`. `req.slots[:req.prefix_len]` are tree pages, locked
 through `req.cache_node`. Does not know: tensors beyond the slot table, sampling, HTTP.
 
-One step is either EXTEND (prefill chunks of waiting/partially prefilled requests, ordered by
-policy, sharing-aware) or DECODE (one token for every running request). After a decode-heavy
-stretch a new extend goes first; after an extend, running requests get a decode step, so a
-long prefill never starves running streams.
+One step is EXTEND (prefill chunks of waiting/partially prefilled requests, ordered by
+policy, sharing-aware), DECODE (one token for every running request), or, by default while
+both kinds of work wait, MIXED: every running request's next token and prefill chunks up to
+chunked_prefill_size tokens in one forward (decode-first: the decodes are scheduled first,
+the prefill fills the rest). The decodes then ride on the chunk's matmuls instead of waiting
+for it, so an inter-token gap is one bounded step. With mixed_chunk off, steps alternate:
+after an extend the running requests get a decode step, so a long prefill never starves them.
 
 Grammar-constrained requests: the grammar compiles off the step loop (GrammarCompiler); a
 request waits in the queue until its grammar is ready (the batch never waits), gets its
@@ -130,6 +133,8 @@ class Scheduler:
         if self.pins.pins:
             self.pins.expire()  # lazily: an expired pin only matters when pages are needed
         want_extend = bool(self.waiting or self.prefilling)
+        if want_extend and self.running and self.cfg.mixed_chunk:
+            return self._schedule_mixed()
         if want_extend and (self.last_phase is Phase.DECODE or not self.running):
             batch = self._schedule_extend()
             if batch is not None:
@@ -141,8 +146,23 @@ class Scheduler:
             return batch
         return self._schedule_extend() if want_extend else None
 
-    def _schedule_extend(self) -> Batch | None:
-        budget = self.cfg.max_prefill_tokens
+    def _schedule_mixed(self) -> Batch | None:
+        decode = self._schedule_decode()
+        assert decode is not None
+        budget = min(self.cfg.max_prefill_tokens,
+                     self.cfg.chunked_prefill_size or self.cfg.max_prefill_tokens)
+        extend = self._schedule_extend(budget, keep=decode.reqs)
+        self.last_phase = Phase.DECODE if extend is None else Phase.MIXED
+        if extend is None:
+            return decode
+        return Batch(Phase.MIXED, decode.reqs + extend.reqs,
+                     decode.extend_lens + extend.extend_lens, decode.sample + extend.sample,
+                     num_decodes=decode.size)
+
+    def _schedule_extend(self, budget: int | None = None, keep: list[Req] | None = None
+                         ) -> Batch | None:
+        """Prefill chunks under `budget` tokens; `keep`: requests no retraction may take."""
+        budget = self.cfg.max_prefill_tokens if budget is None else budget
         chunk_cap = self.cfg.chunked_prefill_size or None
         reqs: list[Req] = []
         lens: list[int] = []
@@ -150,7 +170,8 @@ class Scheduler:
             if req not in self.prefilling:
                 continue  # retracted to make room for an earlier one
             n = min(req.extend_len, budget, chunk_cap or req.extend_len)
-            if n <= 0 or not self._ensure_or_retract(req, req.cached_len + n, reqs):
+            if n <= 0 or not self._ensure_or_retract(req, req.cached_len + n,
+                                                     reqs + (keep or [])):
                 break
             reqs.append(req)
             lens.append(n)
@@ -279,9 +300,11 @@ class Scheduler:
         outputs = self.drain_aborted()
         sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=False))
         self.counters["computed_tokens"] += batch.num_tokens
-        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample, strict=False):
+        for i, (req, n, sample) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample,
+                                                 strict=False)):
             req.cached_len += n
-            if batch.phase is Phase.EXTEND:
+            prefill = batch.is_prefill(i)
+            if prefill:
                 self.mem.cache_progress(req)
             if not sample:
                 continue
@@ -291,7 +314,7 @@ class Scheduler:
             req.token_ids.append(token)
             self.counters["generation_tokens"] += 1
             reason = self._stop_reason(req, token)
-            if batch.phase is Phase.EXTEND:
+            if prefill:
                 self.prefilling.remove(req)
                 self.running.append(req)
             if reason is not None:

@@ -1,0 +1,136 @@
+"""Attention for long extends (prefill chunks), request by request, without padding or masks.
+
+Owns: splitting a batch into its long extends (handled here) and the rest (decode tokens and
+short extends, for the padded cascade of torch_backend), and the attention of one long extend:
+- its new tokens attend to themselves causally, read straight from this forward's k/v (the
+  pool holds the same values; gathering them back would only copy), one fused flash call
+  with is_causal: no (queries x keys) mask or score tensor is written to memory;
+- its cached prefix (a tree match or earlier chunks), when there is one, is gathered from
+  the pool once per layer and attended without a mask (every prefix key precedes every new
+  token), then merged with the causal part by log-sum-exp.
+Does not know: the model, the scheduler, how the pool is laid out beyond the slot table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.attention.base import AttentionMetadata, SharedPrefix
+
+# An extend this long is attended on its own: padding it into a block with the others
+# would cost up to (longest / its length) times the work, and its causal mask as much memory.
+MIN_VARLEN_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which requests of a batch go where; fixed for one forward."""
+
+    long: tuple[int, ...]  # batch indices of the long extends (varlen path)
+    short_meta: AttentionMetadata | None  # metadata of the other requests (cascade path)
+    short_rows: torch.Tensor | None  # (Ts,) rows of q of those requests; None: all rows
+
+
+def split_batch(meta: AttentionMetadata) -> Split:
+    long = tuple(b for b, n in enumerate(meta.extend_lens_cpu) if n >= MIN_VARLEN_TOKENS)
+    if not long:
+        return Split((), meta, None)
+    short = [b for b in range(meta.batch_size) if b not in set(long)]
+    if not short:
+        return Split(long, None, None)
+    return Split(long, subset_meta(meta, short), _token_rows(meta, short))
+
+
+def _token_rows(meta: AttentionMetadata, members: list[int]) -> torch.Tensor:
+    cu = [0]
+    for n in meta.extend_lens_cpu:
+        cu.append(cu[-1] + n)
+    rows = [r for b in members for r in range(cu[b], cu[b + 1])]
+    return torch.tensor(rows, dtype=torch.int64, device=meta.rows.device)
+
+
+def subset_meta(meta: AttentionMetadata, members: list[int]) -> AttentionMetadata:
+    """The metadata of some requests of the batch, as if they were the whole batch."""
+    dev = meta.rows.device
+    idx = torch.tensor(members, dtype=torch.int64, device=dev)
+    new_index = {b: i for i, b in enumerate(members)}
+    extend = [meta.extend_lens_cpu[b] for b in members]
+    prefix = [meta.prefix_lens_cpu[b] for b in members]
+    cu = [0]
+    for n in extend:
+        cu.append(cu[-1] + n)
+    shared = []
+    own_start = [meta.own_start_cpu[b] if meta.own_start_cpu else 0 for b in members]
+    for g in meta.shared:
+        kept = [new_index[b] for b in g.members_cpu if b in new_index]
+        if kept:
+            shared.append(dataclasses.replace(
+                g, members=torch.tensor(kept, dtype=torch.int64, device=dev),
+                members_cpu=tuple(kept)))
+    return dataclasses.replace(
+        meta, rows=meta.rows.index_select(0, idx),
+        prefix_lens=meta.prefix_lens.index_select(0, idx),
+        extend_lens=meta.extend_lens.index_select(0, idx),
+        seq_lens=meta.seq_lens.index_select(0, idx),
+        cu_extend=torch.tensor(cu, dtype=torch.int32, device=dev),
+        out_slots=meta.out_slots.new_empty(0),  # stored already; planning never reads it
+        prefix_lens_cpu=tuple(prefix), extend_lens_cpu=tuple(extend),
+        max_seq_len=max(p + n for p, n in zip(prefix, extend, strict=True)),
+        max_extend_len=max(extend), rows_cpu=tuple(meta.rows_cpu[b] for b in members),
+        shared=tuple[SharedPrefix, ...](shared),
+        own_start=torch.tensor(own_start, dtype=torch.int64, device=dev),
+        own_start_cpu=tuple(own_start))
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (1, Hq, M, D), k/v (1, Hkv, L, D) with Hkv dividing Hq -> out (1, Hq, M, D), lse
+    (1, Hq, M) float32. torch's CPU flash kernel takes grouped K/V heads as they are."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=causal, scale=scale)
+        return out, lse
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (1, Hq, M, L)
+    if causal:
+        m, n = scores.shape[-2:]
+        scores.masked_fill_(torch.ones(m, n, dtype=torch.bool, device=q.device).triu(1),
+                            float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v), lse
+
+
+Gather = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (cache, slots, key)
+
+
+def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, long: tuple[int, ...],
+                out: torch.Tensor, scale: float, gather: Gather) -> None:
+    """Write into out (T, Hq, D) the attention of the long extends' tokens.
+
+    q (T, Hq, D), k/v (T, Hkv, D): this forward's tokens, already stored in the pool.
+    gather(cache, slots, key) reads cached prefix K/V (S, Hkv, D), consumed before the next.
+    """
+    cu = [0]
+    for n in meta.extend_lens_cpu:
+        cu.append(cu[-1] + n)
+    for b in long:
+        s, e = cu[b], cu[b + 1]
+        qb = q[s:e].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+        o, lse = _flash(qb, k[s:e].transpose(0, 1).unsqueeze(0),
+                        v[s:e].transpose(0, 1).unsqueeze(0), True, scale)
+        prefix = meta.prefix_lens_cpu[b]
+        if prefix:
+            slots = meta.slot_table[meta.rows_cpu[b], :prefix]
+            kp = gather(k_cache, slots, "k").transpose(0, 1).unsqueeze(0)  # (1, Hkv, P, D)
+            vp = gather(v_cache, slots, "v").transpose(0, 1).unsqueeze(0)
+            op, lsep = _flash(qb, kp, vp, False, scale)
+            # o = o_p + sigmoid(lse - lse_p) * (o - o_p): each part weighted by its mass.
+            weight = torch.sigmoid(lse - lsep).unsqueeze(-1)  # (1, Hq, n, 1) float32
+            o = torch.lerp(op.float(), o.float(), weight).to(out.dtype)
+        out[s:e] = o[0].transpose(0, 1)
