@@ -36,6 +36,7 @@ MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATE_DEFAULT_MAX_TOKENS = 128  # SGLang's default for native /generate
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TIMEOUT_S = 86400.0
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _SAMPLING_FIELDS = frozenset({
@@ -43,10 +44,10 @@ _SAMPLING_FIELDS = frozenset({
     "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
     "max_tokens", "max_completion_tokens",
 })
-_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options"}
+_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "timeout"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs"}
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream"})
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "timeout"})
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n",
 }
@@ -62,6 +63,7 @@ class RequestOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,10 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         check_fields(stream_options, frozenset({"include_usage"}), "stream_options")
         include_usage = bool(get_bool(stream_options, "include_usage", "stream_options"))
-    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage)
+    timeout = get_float(body, "timeout")
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
+    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, timeout)
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
@@ -245,4 +250,5 @@ def parse_generate(body: Any) -> GenerateRequest:
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
+    renamed["timeout"] = body.get("timeout")
     return GenerateRequest(prompt, _parse_options(renamed, None, None))
