@@ -61,7 +61,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def _rate_limit_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's x-ratelimit-* headers on every response to a key that has rpm/tpm limits."""
     caller = request.get(CALLER_FIELD)
     if caller is None or (caller.limits.rpm is None and caller.limits.tpm is None):

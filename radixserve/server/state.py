@@ -19,13 +19,13 @@ from contextlib import aclosing, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-import orjson
 from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.engine_client import EngineClient, EngineState
 from radixserve.server.auth import ANONYMOUS_CALLER, ApiKeys, Caller
-from radixserve.server.bounds import deadline_events, read_json  # noqa: F401 (re-exported)
+from radixserve.server.bounds import deadline_events
+from radixserve.server.bounds import read_json as read_json  # re-exported for routes
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, stream_choice
 from radixserve.server.keys import KeyLimits
