@@ -13,7 +13,6 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.engine_client import EngineClient
