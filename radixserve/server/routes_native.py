@@ -115,6 +115,7 @@ async def server_info(request: web.Request) -> web.Response:
         "server_config": server,
         "stats": state.client.stats,
         "num_queued": state.admission.num_queued,
+        "engine_pid": getattr(state.client.transport, "pid", None),
         "uptime_s": round(time.time() - state.started, 3),
     })
 

@@ -1,0 +1,145 @@
+"""A real server (tiny random Llama, real engine process) under generated input: hypothesis
+posts JSON (valid, invalid, nested, huge numbers, wrong types, unicode, empty) and raw bytes to
+every route: never a 5xx, always an OpenAI error body for a 4xx, the server stays alive and
+ends with no page held. Then its whole output is grepped: no prompt, completion or API key."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.server_proc import ServerProc, running_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-fuzz-7f3a9c1e5b2d4f60"
+SECRET = "SECRET-PROMPT-zq81vx"  # sent inside prompts; must never reach the server's output
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate", "/flush_cache", "/v1/models",
+          "/health", "/metrics", "/server_info", "/version", "/kv_events", "/nope"]
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+          "top_k", "min_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
+          "top_logprobs", "echo", "stop_token_ids", "timeout", "text", "input_ids",
+          "sampling_params", "model", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_tokens", "ignore_eos", "response_format", "logit_bias",
+          "user", "best_of", "suffix", "role", "content"]
+EDGE_VALUES = [0, -1, 1, 2**31, 2**63, 2**64, 10**30, -(10**30), 1e308, -1e308, 1e-300, 0.5,
+               "", "\x00", "🎉" * 3, "é", [], {}, [[]], [-1], [10**9], [0, 1, 2], [""],
+               {"role": "user", "content": "hi"}, [{"role": "user", "content": "hi"}],
+               [{"role": "tool", "content": 1}], {"include_usage": True}, True, False, None]
+
+leaves = (st.none() | st.booleans() | st.integers(-(2**80), 2**80)
+          | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
+json_values = st.recursive(
+    leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.text(max_size=8), inner, max_size=4), max_leaves=10)
+field_values = json_values | st.sampled_from(EDGE_VALUES)
+near_valid = st.dictionaries(st.sampled_from(FIELDS), field_values, max_size=6)
+bodies = st.one_of(
+    json_values,
+    near_valid,
+    near_valid.map(lambda d: {"prompt": f"hi {SECRET}", "max_tokens": 4, **d}),
+    near_valid.map(lambda d: {"messages": [{"role": "user", "content": SECRET}], **d}),
+    near_valid.map(lambda d: {"text": SECRET, **d}),
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "fuzzer", "key": KEY, "rpm": 100000,
+                                          "tpm": 10000000}]}))
+    args = ["--kv-cache-tokens", "4096", "--api-keys-file", str(keys), "--log-requests",
+            "--max-tokens-cap", "8", "--max-queue", "64", "--max-body-bytes", "65536",
+            "--request-timeout", "60"]
+    with running_server(tiny_llama, tmp / "server.log", args, key=KEY) as proc:
+        yield proc
+
+
+def request(conn: http.client.HTTPConnection, method: str, path: str,
+            body: bytes | None, key: str | None = KEY) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def check_answer(status: int, payload: bytes) -> None:
+    assert status < 500, payload[:500]
+    if status >= 400 and payload:
+        err = orjson.loads(payload)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if status == 200 and payload.startswith(b"data: "):
+        assert b'"server_error"' not in payload, payload[-500:]
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(route=st.sampled_from(ROUTES), body=bodies)
+def test_generated_json_never_5xx(server: ServerProc, route: str, body: Any) -> None:
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
+    try:
+        raw = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS) if not isinstance(
+            body, bytes) else body
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits: send it as JSON text
+        raw = json.dumps(body).encode()
+    try:
+        for method in ("POST", "GET"):
+            if route == "/kv_events" and method == "GET":
+                continue  # off here (404) and, on, an endless stream
+            check_answer(*request(conn, method, route, raw))
+    finally:
+        conn.close()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(route=st.sampled_from(ROUTES[:3]), raw=st.binary(max_size=64),
+       key=st.sampled_from([KEY, None, "", "wrong", KEY + "x", "Bearer"]))
+def test_raw_bytes_and_bad_keys_never_5xx(server: ServerProc, route: str, raw: bytes,
+                                         key: str | None) -> None:
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
+    try:
+        status, payload = request(conn, "POST", route, raw, key)
+        check_answer(status, payload)
+        if key != KEY:
+            assert status == 401
+    finally:
+        conn.close()
+
+
+def test_zz_alive_idle_and_logs_redacted(server: ServerProc) -> None:
+    """Runs last in this module: it stops the server to read its whole output."""
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
+    texts = []
+    for path, body in (("/v1/completions", {"prompt": f"Tell me {SECRET}", "max_tokens": 8,
+                                            "temperature": 0}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                              "content": SECRET}]}),
+                       ("/generate", {"text": SECRET, "sampling_params": {"max_new_tokens": 8}})):
+        status, payload = request(conn, "POST", path, orjson.dumps(body))
+        assert status == 200, payload
+        out = orjson.loads(payload)
+        texts.append(out["text"] if "text" in out else (
+            out["choices"][0].get("text") or out["choices"][0]["message"]["content"]))
+    conn.close()
+    assert server.get("/health")[0] == 200
+    server.wait_idle()
+    assert server.stop() == 0
+    log = server.output()
+    assert "request POST /v1/completions key=fuzzer" in log  # --log-requests is on ...
+    assert "'Tell me ...'" in log  # ... showing 8 characters of a prompt at most
+    assert SECRET not in log and KEY not in log
+    for text in texts:
+        if len(text) >= 12:  # long enough not to occur by chance
+            assert text not in log
