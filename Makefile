@@ -1,4 +1,5 @@
 # Two commands: `make serve` and `make test`. Both set up .venv first when needed.
+# CI (.ci/run) runs `make lint` and `make test`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,6 +30,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check radixserve triton_kernels router bench tests
 	$(BIN)/mypy radixserve triton_kernels router
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/python -m bench.compare --workload shared-prefix

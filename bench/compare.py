@@ -252,7 +252,7 @@ def run_system(spec: SystemSpec, workloads: list[Workload], args: argparse.Names
 
 
 def _main(args: argparse.Namespace) -> int:
-    from radixserve.model.loader import resolve_model
+    from radixserve.model_source import resolve_model
     from radixserve.tokenizer import load_tokenizer
 
     resolved = resolve_model(args.model)

@@ -129,7 +129,7 @@ class HFGenerator:
     """Owns the model; `run` is called from one worker thread, never on the event loop."""
 
     def __init__(self, cfg: HFServerConfig) -> None:
-        from radixserve.model.loader import resolve_model
+        from radixserve.model_source import resolve_model
 
         resolved = resolve_model(cfg.model)
         self.name = resolved.name

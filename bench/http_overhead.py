@@ -1,7 +1,7 @@
 """What the HTTP layer costs: `python -m bench.http_overhead [--model tiny|smollm2-135m|PATH]`.
 
 1. A 1-token completion on a fully cached prompt, through HTTP (`radixserve serve` in its own
-   process, POST /v1/completions with token ids) vs in-process `radixserve.engine.LLM.generate`,
+   process, POST /v1/completions with token ids) vs in-process `radixserve.LLM.generate`,
    plus, to split the difference, EngineClient -> engine process without HTTP. The three are
    interleaved request by request, so machine noise hits them alike; we report p50 of each,
    the HTTP/offline ratio, the overhead per request, and the HTTP layer's share of it.
@@ -33,10 +33,10 @@ import aiohttp
 import orjson
 
 from radixserve.config import EngineConfig
-from radixserve.engine_client import EngineClient
+from radixserve.ipc.client import EngineClient
 
 if TYPE_CHECKING:
-    from radixserve.engine import LLM
+    from radixserve import LLM
 
 
 KV_TOKENS = 16384  # per engine; three engines run side by side
@@ -115,7 +115,7 @@ def offline_one_token(llm: LLM, ids: list[int], warm: bool = True) -> float:
 
 
 async def client_one_token(client: EngineClient, ids: list[int]) -> float:
-    from radixserve.messages import GenerateMsg
+    from radixserve.ipc.messages import GenerateMsg
     from radixserve.types import SamplingParams
 
     msg = GenerateMsg(uuid.uuid4().hex, ids, SamplingParams(temperature=0, max_tokens=1))
@@ -229,7 +229,7 @@ async def run(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, 
     try:
         async with aiohttp.ClientSession() as session:
             await wait_healthy(session, url, proc)
-            from radixserve.engine import LLM  # here: the probe process must not import torch
+            from radixserve import LLM  # here: the probe process must not import torch
 
             llm = LLM(model=model, dtype=args.dtype, num_threads=args.num_threads,
                       kv_cache_tokens=KV_TOKENS)

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.engine import LLM
-from radixserve.model.loader import resolve_model
+from radixserve import LLM
+from radixserve.model_source import resolve_model
 from radixserve.types import SamplingParams
 
 
@@ -78,7 +78,7 @@ def _compare_dtype(model: str, hf_dir: str, dtype: str, runs: int, out_len: int,
     rows = []
     # HF runs "1 prompt" alone and "32 mixed" as one left-padded batch of 32.
     for name, prompts in (("1 prompt", single), ("32 mixed", mixed)):
-        ours, _ = timed(lambda p=prompts: sum(len(r.output_ids) for r in llm.generate(p, params)),
+        ours, _ = timed(lambda p=prompts: sum(len(r.token_ids) for r in llm.generate(p, params)),
                         runs)
         theirs, _ = timed(lambda p=prompts: hf(p, out_len), runs)
         rows.append([dtype, name, f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"])
@@ -101,7 +101,7 @@ def section_shared(model: str, dtype: str, runs: int, groups: int, per_group: in
             t = time.perf_counter()
             res = llm.generate(prompts, params)
             dt = time.perf_counter() - t
-            rates.append(sum(len(r.output_ids) for r in res) / dt)
+            rates.append(sum(len(r.token_ids) for r in res) / dt)
             ttfts.append(statistics.mean(r.ttft for r in res))
             hits.append(sum(r.num_cached_tokens for r in res) / sum(len(r.prompt_ids) for r in res))
         rate, ttft = statistics.median(rates), statistics.median(ttfts)

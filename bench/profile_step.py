@@ -70,20 +70,20 @@ def run_scenario(llm: Any, timer: StepTimer, prompts: list[list[int]], params: A
     steps = list(timer.records)
     decode = [s for p, _, _, s in steps if p == "decode"]
     return {
-        "tok_s": sum(len(r.output_ids) for r in res) / total,
+        "tok_s": sum(len(r.token_ids) for r in res) / total,
         "total_s": total,
         "decode_ms": 1000 * statistics.median(decode) if decode else 0.0,
         "prefill_ms": [round(1000 * s, 1) for p, _, _, s in steps if p == "extend"],
         "prefill_shapes": [(b, n) for p, b, n, _ in steps if p == "extend"],
         "ttft_s": statistics.mean(r.ttft for r in res),
-        "outputs": [r.output_ids for r in res],
+        "outputs": [r.token_ids for r in res],
     }
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One process: load both engines, run every scenario `rounds` times, median per field."""
     import radixserve
-    from radixserve.engine import LLM
+    from radixserve import LLM
     from radixserve.types import SamplingParams
 
     prompts = make_prompts(args.num_reqs, args.system_len, args.question_len)
@@ -123,7 +123,7 @@ def count_ops(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from radixserve.engine import LLM
+    from radixserve import LLM
     from radixserve.types import SamplingParams
 
     prompts = make_prompts(args.num_reqs, args.system_len, args.question_len)

@@ -2,7 +2,7 @@
 
     python -m bench.router [--replicas 4 --groups 16 --per-group 24 --concurrency 32]
 
-Three processes, as deployed: the fake replicas (router/fake_replica.py: serialized prefill
+Three processes, as deployed: the fake replicas (radixserve/testing/fake_replica.py: serialized prefill
 that costs `--prefill-us` per UNCACHED prompt token, an LRU prefix cache of `--cache-blocks`
 blocks per replica, real /kv_events), the router, and this client. Scenarios, each from cold
 caches: round_robin, cache_aware (approximate index), cache_aware + kv events (precise). The
@@ -35,8 +35,8 @@ import aiohttp
 import numpy as np
 import orjson
 
+from radixserve.testing.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
 from router.config import PolicyName, RouterConfig
-from router.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -52,6 +52,9 @@ class WorkloadKind(str, Enum):
     RANDOM = "random"
     JSONL = "jsonl"
 
+    def __str__(self) -> str:  # argparse's --help and errors show the name users type
+        return self.value
+
 
 def _positive(**values: int) -> None:
     for name, v in values.items():
@@ -349,7 +352,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def load_workload(args: argparse.Namespace) -> Workload:
     """Tokenizer of the served model (or --tokenizer), then the workload for the flags."""
-    from radixserve.model.loader import resolve_model
+    from radixserve.model_source import resolve_model
     from radixserve.tokenizer import load_tokenizer
 
     hf_dir = args.tokenizer or resolve_model(args.model).hf_dir

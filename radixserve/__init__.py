@@ -1,0 +1,24 @@
+"""radixserve: a prefix-sharing LLM serving engine.
+
+`from radixserve import LLM, SamplingParams` is the offline API. LLM is imported lazily (module
+`__getattr__`), so that importing radixserve.server or the router never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from radixserve.types import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.engine.llm import LLM, RequestOutput
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestOutput"):
+        from radixserve.engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

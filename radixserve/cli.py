@@ -16,6 +16,7 @@ from typing import Any
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    EVICTION_POLICIES,
     SCHEDULE_POLICIES,
     ConfigError,
     EngineConfig,
@@ -38,6 +39,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
     ("--seed", int, "seed", "engine random seed"),
     ("--num-threads", int, "num_threads", "torch CPU threads"),
+    ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
+    ("--tenant-cache-quota", float, "tenant_cache_quota",
+     "fraction of the KV pool one API key may keep cached before it is evicted first"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),
@@ -81,7 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="log one line per request (prompt cut to a few characters)")
     serve.add_argument("--restart-engine", action="store_true", default=None,
                        help="restart a dead engine process (with backoff) instead of exiting 1")
-    serve.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # tests, bench
     return parser
 
 
@@ -119,7 +122,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"radixserve: error: {err}", file=sys.stderr)
             return 2
-    from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY
     from radixserve.server.serve import run_server
 
-    return run_server(cfg, args.engine_factory or DEFAULT_ENGINE_FACTORY)
+    return run_server(cfg)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+EVICTION_POLICIES = ("lru", "slru")
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     enable_kv_events: bool = False
+    eviction_policy: str = "lru"  # slru: prefixes hit more than once outlive one-off prompts
+    # Fraction of the KV pool a tenant (API key) may keep cached before eviction takes from it
+    # first; None: no quotas.
+    tenant_cache_quota: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +63,12 @@ class EngineConfig:
             raise ConfigError("max_running_requests must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ConfigError("max_prefill_tokens must be >= 1")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction_policy!r}; "
+                              f"supported: {', '.join(EVICTION_POLICIES)}")
+        if self.tenant_cache_quota is not None and not 0 < self.tenant_cache_quota <= 1:
+            raise ConfigError(
+                f"tenant_cache_quota must be in (0, 1], got {self.tenant_cache_quota}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
 

@@ -1,21 +1,17 @@
 """Core request-level types shared by the scheduler, the model runner and the engine.
 
-Owns: SamplingParams (frozen, validated), Req (mutable, written only by the scheduler),
-ReqStatus, FinishReason, Phase, Batch, TokenOutput.
-Does not know: HTTP, tokenizers, KV tensors.
+Owns: SamplingParams (frozen, validated), FinishReason, Phase, TokenOutput, TokenLogprobs and
+InvalidRequestError: the types both sides of the process boundary use (torch-free).
+Does not know: HTTP, tokenizers, KV tensors, the engine's Req (radixserve/sched/req.py).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 from radixserve.constraints import Constraint
-
-if TYPE_CHECKING:
-    from radixserve.cache.radix_cache import TreeNode
 
 
 class InvalidRequestError(ValueError):
@@ -25,12 +21,6 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.status = status
-
-
-class ReqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class FinishReason(enum.Enum):
@@ -110,78 +100,6 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1.0
         )
-
-
-@dataclass
-class Req:
-    """One request inside the engine. Only the scheduler mutates it.
-
-    Layout of `token_ids`: [prompt ... | output ...]; `cached_len` tokens of it have KV in
-    the pool (either matched from the radix tree or computed by this request). The slots of
-    those tokens are in `slots[:cached_len]`; `slots[:prefix_len]` belong to the tree (locked
-    through `cache_node`), the rest are held by this request.
-    """
-
-    rid: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    max_new_tokens: int  # resolved: params.max_tokens capped by the context
-    cache_salt: str = ""
-    arrival: float = 0.0
-    status: ReqStatus = ReqStatus.WAITING
-    cached_len: int = 0
-    prefix_len: int = 0  # tokens whose slots are owned by the tree (locked)
-    num_cached_tokens: int = 0  # prompt tokens served from the cache on first admission
-    table_row: int = -1  # NOTE: -1 only while not running; asserted on use
-    cache_node: TreeNode | None = None
-    finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
-    slots: list[int] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def extend_len(self) -> int:
-        """Tokens still without KV (the next forward must compute them)."""
-        return self.num_tokens - self.cached_len
-
-    @property
-    def remain_tokens(self) -> int:
-        return self.max_new_tokens - self.num_output_tokens
-
-
-@dataclass
-class Batch:
-    """What the scheduler hands to the model runner for one forward.
-
-    For EXTEND, request i computes tokens [reqs[i].cached_len, + extend_lens[i]) and samples
-    only when `sample[i]` (its last chunk). For DECODE, every request computes one token.
-    """
-
-    phase: Phase
-    reqs: list[Req]
-    extend_lens: list[int]
-    sample: list[bool]
-
-    @property
-    def size(self) -> int:
-        return len(self.reqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class RouterConfig:
     replica_api_key: str | None = None  # sent to replicas on /kv_events and /flush_cache
     # Precise mode: follow each replica's /kv_events; needs a tokenizer for text prompts.
     kv_events: bool = False
-    tokenizer: str | None = None  # a model spec radixserve.model.loader understands
+    tokenizer: str | None = None  # a model spec radixserve.model_source understands
     kv_block_size: int = 16  # must equal the replicas' --kv-events block size
     pending_ttl_s: float = 30.0  # routed-but-not-yet-announced blocks count this long
     kv_stream_timeout_s: float = 30.0  # no byte (not even a keepalive) for this long: down

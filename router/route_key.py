@@ -82,7 +82,7 @@ class HFPromptEncoder:
 
 def load_prompt_encoder(spec: str) -> HFPromptEncoder:
     """`spec` as `radixserve serve --model` takes it, resolved to its HF folder."""
-    from radixserve.model.loader import resolve_model
+    from radixserve.model_source import resolve_model
 
     return HFPromptEncoder(resolve_model(spec).hf_dir)
 

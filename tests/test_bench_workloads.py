@@ -175,3 +175,16 @@ def test_word_pieces_with_a_merging_bpe() -> None:
     w = build_workload(spec, tok, seed=0)
     for r in w.requests:
         assert len(tok.encode(r.prompt)) == r.prompt_len == 72
+
+
+def test_help_lists_workload_names_not_enum_reprs() -> None:
+    import argparse
+
+    from bench.workloads import add_workload_args
+
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    text = parser.format_help()
+    assert "{shared-prefix,multi-turn,rag,random,jsonl}" in text
+    assert "WorkloadKind" not in text
+    assert parser.parse_args(["--workload", "random"]).workload.value == "random"

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixserve import LLM
 from radixserve.config import ConfigError
-from radixserve.engine import LLM
-from radixserve.messages import GenerateMsg
-from radixserve.model.loader import ModelLoadError
+from radixserve.ipc.messages import GenerateMsg
+from radixserve.model_source import ModelLoadError
 from radixserve.types import FinishReason, InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -146,15 +146,15 @@ def test_sampling_seed_reproducible_and_stop_tokens(tiny_llama: Path) -> None:
     llm = make_llm(tiny_llama)
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=7, max_tokens=12,
                        ignore_eos=True)
-    a = llm.generate([[5, 6, 7]], p)[0].output_ids
-    b = llm.generate([[5, 6, 7]], p)[0].output_ids
+    a = llm.generate([[5, 6, 7]], p)[0].token_ids
+    b = llm.generate([[5, 6, 7]], p)[0].token_ids
     assert a == b and len(a) == 12
-    greedy = llm.generate([[5, 6, 7]], GREEDY)[0].output_ids
+    greedy = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
     stop_at = greedy[3]
     stopped = llm.generate([[5, 6, 7]], SamplingParams(
         temperature=0, max_tokens=10, stop_token_ids=(stop_at,), ignore_eos=True))[0]
-    assert stopped.output_ids == greedy[: greedy.index(stop_at) + 1]
-    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == greedy[: greedy.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop"
     lp = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
-    assert len(lp.logprobs) == len(lp.output_ids)
+    assert len(lp.logprobs) == len(lp.token_ids)
     assert all(x.top[0][1] >= x.token_logprob - 1e-6 and len(x.top) == 2 for x in lp.logprobs)

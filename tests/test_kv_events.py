@@ -211,10 +211,10 @@ async def test_route_replays_then_follows() -> None:
 def test_publisher_follows_a_real_radix_cache(page_size: int) -> None:
     """Model check: after any mix of inserts, evictions and resets, the publisher's live set
     is exactly the full blocks of what the radix cache still holds."""
-    radix_cache = pytest.importorskip("radixserve.cache.radix_cache")
+    from radixserve.cache.radix_cache import RadixCache
 
     pub = KVEventPublisher(block_size=4)
-    cache = radix_cache.RadixCache(page_size=page_size,
+    cache = RadixCache(page_size=page_size,
                                    on_event=lambda ev: pub.publish([ev]))
     rng = random.Random(page_size)
     inserted: list[tuple[tuple[int, ...], str]] = []

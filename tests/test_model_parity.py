@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixserve.engine import LLM
+from radixserve import LLM
 from radixserve.types import SamplingParams
 from tests.tiny_models import make_tiny_model
 
@@ -37,7 +37,7 @@ def check_parity(model_dir: Path, lengths: list[int], n: int, vocab: int, **kw: 
     ours = llm.generate(prompts, params)
     ref = hf_greedy(model_dir, prompts, n)
     for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
-        assert o.output_ids == r[: n - (i % 3)], f"prompt {i} (len {lengths[i]})"
+        assert o.token_ids == r[: n - (i % 3)], f"prompt {i} (len {lengths[i]})"
     llm.engine.check_integrity()
     assert llm.kv_stats()["kv_held_tokens"] == 0
 
@@ -64,7 +64,7 @@ def test_mistral_and_llama3_rope(tmp_path: Path) -> None:
 @pytest.mark.smollm2
 def test_smollm2_matches_hf() -> None:
     """The default model: 8 prompts of different lengths, 32 new tokens, one batch."""
-    from radixserve.model.loader import resolve_model
+    from radixserve.model_source import resolve_model
 
     hf_dir = resolve_model("smollm2-135m").hf_dir
     check_parity(hf_dir, [3, 12, 25, 47, 80, 111, 160, 230], 32, 49152)

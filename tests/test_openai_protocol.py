@@ -7,8 +7,6 @@ from typing import Any
 import pytest
 
 from radixserve.server.protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    GENERATE_DEFAULT_MAX_TOKENS,
     check_token_ids,
     parse_chat,
     parse_completion,
@@ -36,7 +34,7 @@ def test_completion_prompt_shapes() -> None:
 
 def test_completion_defaults() -> None:
     req = parse_completion({"model": "m", "prompt": "a"})
-    assert req.opts.params.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
+    assert req.opts.params.max_tokens == 16  # OpenAI's default for /v1/completions
     assert req.opts.n == 1 and not req.opts.stream and req.opts.stop == ()
     assert req.opts.params.logprobs is None and not req.echo
 
@@ -153,7 +151,7 @@ def test_generate_shapes() -> None:
     assert req.prompt == "hi" and req.opts.params.max_tokens == 3
     req = parse_generate({"input_ids": [1, 2], "stream": True})
     assert req.prompt == (1, 2) and req.opts.stream
-    assert req.opts.params.max_tokens == GENERATE_DEFAULT_MAX_TOKENS
+    assert req.opts.params.max_tokens == 128  # SGLang's default for /generate
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -173,3 +171,13 @@ def test_token_id_range() -> None:
     check_token_ids((0, 9), 10, "prompt")
     with pytest.raises(InvalidRequestError, match="out of range"):
         check_token_ids((10,), 10, "prompt")
+
+
+def test_priority_field_on_every_route() -> None:
+    assert parse_completion({"prompt": "a", "priority": -2}).opts.priority == -2
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}).opts.priority == 0
+    assert parse_generate({"text": "a", "priority": 7}).opts.priority == 7
+    for bad_value in ("high", 1.5, 10**9, True):
+        with pytest.raises(InvalidRequestError) as err:
+            parse_completion({"prompt": "a", "priority": bad_value})
+        assert err.value.param == "priority"

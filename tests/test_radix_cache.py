@@ -210,7 +210,7 @@ def test_heap_stays_bounded_under_lock_churn() -> None:
         cache.lock(node)
         cache.unlock(node)
         cache.match_prefix([1, 2, 3])
-    assert len(cache._heap) <= 2 * len(cache._evictable_leaves) + 65
+    assert cache._queue._num_entries <= 2 * len(cache._queue.leaves) + 65
     assert cache.evict(1) == [0, 1, 2]
     cache.check_integrity()
 
@@ -227,3 +227,21 @@ def test_check_integrity_catches_corruption() -> None:
     leaf.value[0] = 0  # after the split leaf is [2, 3]; slot 0 is its parent's
     with pytest.raises(AssertionError, match="slot twice"):
         cache.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_peek_changes_nothing_and_agrees_with_match(page_size: int) -> None:
+    """Ordering the waiting queue peeks: no split, no LRU touch; admission matches once."""
+    cache, events = make(page_size)
+    cache.insert([1, 2, 3, 4, 5, 6], list(range(10, 16)))
+    cache.insert([7, 8, 9, 10], list(range(20, 24)))
+    shape = sorted((tuple(n.key), n.last_access) for n in cache._iter_nodes())
+    assert cache.peek_prefix_len([1, 2, 3, 4, 9, 9]) == 4  # ends inside [1..6]: no split
+    assert cache.peek_prefix_len([1, 2, 3, 4, 5, 6, 7, 8]) == 6
+    assert cache.peek_prefix_len([1, 2, 3]) == (3 if page_size == 1 else 2)
+    assert cache.peek_prefix_len([9]) == 0 and cache.peek_prefix_len([1], salt="other") == 0
+    assert sorted((tuple(n.key), n.last_access) for n in cache._iter_nodes()) == shape
+    # LRU untouched: [1..6] is still the older leaf, evicted first.
+    assert sorted(cache.evict(6)) == list(range(10, 16))
+    assert cache.match_prefix([7, 8, 9, 10, 11]).cached_len == 4
+    cache.check_integrity()

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import aiohttp
 import pytest
 
+from radixserve.testing.fake_replica import FakeReplica, FakeReplicaConfig, fake_cluster
 from router.app import ROUTER_KEY
 from router.config import RouterConfig
-from router.fake_replica import FakeReplica, FakeReplicaConfig, fake_cluster
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 CFG = RouterConfig(health_interval_s=0.05, health_timeout_s=1.0, fail_threshold=2,
                    success_threshold=2, admin_key="admin-secret", retry_backoff_s=0.01)
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def test_admin_routes_need_the_key() -> None:

@@ -21,10 +21,11 @@ import aiohttp
 import pytest
 
 from radixserve.kv_events import block_hashes
+from radixserve.testing.fake_replica import start_app
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
-from router.fake_replica import start_app
 from router.route_key import HFPromptEncoder
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -135,10 +136,10 @@ async def test_precise_mode_routes_by_what_replicas_report(
     async with router([r.url for r in replicas], tiny_llama, kv_events=True,
                       kv_stream_timeout_s=30.0) as (url, core), aiohttp.ClientSession() as s:
         precise = core.precise
-        await wait(lambda: all(precise.is_live(r.url) for r in replicas))
+        await wait_until(lambda: all(precise.is_live(r.url) for r in replicas), timeout=30)
         target = replicas[1]  # a miss would rotate to replicas[0] first
         await complete(s, target.url, prompt)  # directly: only its events can tell the router
-        await wait(lambda: want <= precise.state(target.url).hashes)
+        await wait_until(lambda: want <= precise.state(target.url).hashes, timeout=30)
         answer = await complete(s, url, prompt)
     assert cached(answer) >= 16 * len(want) - 16
 
@@ -155,7 +156,7 @@ async def test_killed_replica_loses_no_unstreamed_request(
             tasks = [asyncio.create_task(complete(s, url, f"Request {i}: " + PREFIX, 48))
                      for i in range(18)]
             worker = core.pool.get(victim.url)
-            await wait(lambda: worker.in_flight > 0)
+            await wait_until(lambda: worker.in_flight > 0, timeout=30)
             victim.proc.kill()  # with requests in flight on it
             answers = await asyncio.gather(*tasks)
             assert worker.num_errors >= 1  # the router did see it die mid-run
@@ -164,8 +165,3 @@ async def test_killed_replica_loses_no_unstreamed_request(
         victim.stop()
 
 
-async def wait(cond: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)

@@ -16,8 +16,8 @@ from radixserve.kv_events import (
     block_hashes,
     cache_salt_for_api_key,
 )
+from radixserve.testing.fake_replica import ByteEncoder
 from router.config import ConfigError, PolicyName, RouterConfig, normalize_worker_url
-from router.fake_replica import ByteEncoder
 from router.kv_index import PreciseIndex, _split_sse
 from router.policy import (
     CacheAwarePolicy,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -17,21 +16,15 @@ from radixserve.kv_events import (
     cache_salt_for_api_key,
     encode_batch,
 )
+from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY
 from router.config import RouterConfig
-from router.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.kv_index import PreciseIndex, follow_kv_events
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 CFG = RouterConfig(kv_events=True, health_interval_s=0.05, kv_stream_timeout_s=2.0)
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def post(s: aiohttp.ClientSession, url: str, prompt: str, key: str | None = None) -> str:

@@ -11,9 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from radixserve.testing.fake_replica import FakeCluster, FakeReplicaConfig, fake_cluster
 from router.app import ROUTER_KEY
 from router.config import PolicyName, RouterConfig
-from router.fake_replica import FakeCluster, FakeReplicaConfig, fake_cluster
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,9 +113,8 @@ async def test_client_leaving_mid_stream_aborts_the_replica_stream() -> None:
             await resp.content.readline()
             assert worker.in_flight == 1
             resp.close()  # the client goes away ~2.9 s before the stream would end
-        deadline = time.monotonic() + 1.0
-        while (worker.in_flight or not c.replicas[0].num_aborted) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: not worker.in_flight and c.replicas[0].num_aborted > 0,
+                         what="the replica stream aborted")
         assert worker.in_flight == 0 and c.replicas[0].num_aborted == 1
 
 
@@ -146,8 +146,7 @@ async def test_dead_replica_is_routed_around_without_losing_requests() -> None:
         assert {name for name, _ in results} <= {"r0", "r1"} and len(results) == 24
         assert dead.num_routed >= 1 and dead.num_errors >= 1  # it was tried, then avoided
         assert "ConnectorError" in (dead.last_error or "")
-        await asyncio.sleep(0.4)  # enough probes to mark it down
-        assert not dead.healthy
+        await wait_until(lambda: not dead.healthy, what="the dead worker marked down")
 
 
 async def test_replica_killed_mid_run_loses_no_unstreamed_request() -> None:

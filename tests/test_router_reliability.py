@@ -16,15 +16,15 @@ import pytest
 from aiohttp import web
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.engine_client import EngineClient
+from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import BlockStored, EventBatch, block_hashes, cache_salt_for_api_key
 from radixserve.server.app import create_app as create_server_app
 from radixserve.server.state import STATE_KEY
-from radixserve.server.testing import FakeEngine, InlineTransport
+from radixserve.testing.fake_engine import FakeEngine, InlineTransport
+from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY
 from router.app import create_app as create_router_app
 from router.config import PolicyName, RouterConfig
-from router.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.kv_index import PreciseIndex
 from tests.tiny_models import make_tokenizer
 

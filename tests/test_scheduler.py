@@ -15,8 +15,9 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
-from radixserve.scheduler import Scheduler
-from radixserve.types import Batch, FinishReason, SamplingParams
+from radixserve.sched.req import Batch
+from radixserve.sched.scheduler import Scheduler
+from radixserve.types import FinishReason, SamplingParams
 
 VOCAB = 50
 EOS = 0
@@ -130,3 +131,35 @@ def test_invalid_requests_rejected() -> None:
         s.add("dup", [1, 2], SamplingParams())
     except ValueError as e:
         assert "already" in str(e)
+
+
+def test_one_real_prefix_match_per_admission() -> None:
+    """LPM orders the queue by peeking (no split, no LRU touch); each admitted request is then
+    matched exactly once."""
+    sched = make_scheduler(pages=400, page_size=1)
+    system = list(range(1, 31))
+    sched.add("warm", system + [40], SamplingParams(max_tokens=1))
+    while sched.has_work():
+        batch = sched.schedule()
+        if batch is not None:
+            sched.process_outputs(batch, fake_run(batch))
+    cache = sched.mem.cache
+    calls = {"match": 0, "peek": 0}
+    real_match, real_peek = cache.match_prefix, cache.peek_prefix_len
+
+    def match(*a: object, **k: object) -> object:
+        calls["match"] += 1
+        return real_match(*a, **k)  # type: ignore[arg-type]
+
+    def peek(*a: object, **k: object) -> int:
+        calls["peek"] += 1
+        return real_peek(*a, **k)  # type: ignore[arg-type]
+
+    cache.match_prefix, cache.peek_prefix_len = match, peek  # type: ignore[method-assign]
+    for i in range(5):
+        sched.add(f"r{i}", system + [41 + i, 42], SamplingParams(max_tokens=2))
+    batch = sched.schedule()
+    assert batch is not None
+    assert calls == {"match": len(batch.reqs), "peek": 5}
+    assert [r.cached_len for r in batch.reqs] == [30] * len(batch.reqs)
+    sched.check_integrity()

@@ -4,7 +4,6 @@ while the server keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator
@@ -17,10 +16,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.engine_client import EngineClient
+from radixserve.ipc.client import EngineClient
 from radixserve.server.app import create_app
-from radixserve.server.testing import FakeEngine, InlineTransport
+from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from tests.tiny_models import make_tokenizer
+from tests.waiting import wait_until
 
 TOKENIZER = make_tokenizer()
 EOS = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
@@ -49,10 +49,11 @@ async def serve(model_dir: Path, *, step_interval: float = 0.0, max_body_bytes: 
     if app_hook is not None:
         app_hook(app)
     async with TestClient(TestServer(app)) as tc:
-        for _ in range(500):
-            if (await tc.get("/health")).status == 200:
-                break
-            await asyncio.sleep(0.01)
+
+        async def healthy() -> bool:
+            return (await tc.get("/health")).status == 200
+
+        await wait_until(healthy, what="the fake engine ready")
         yield tc
 
 
@@ -218,8 +219,15 @@ async def test_flush_cache_and_metrics(model_dir: Path) -> None:
         assert (await call(tc, "/flush_cache", {}))[0] == 200
         _, out = await call(tc, "/v1/completions", body)
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        await asyncio.sleep(0.05)
-        text = await (await tc.get("/metrics")).text()
+
+        async def metrics_text() -> str:
+            return await (await tc.get("/metrics")).text()
+
+        async def both_counted() -> bool:  # the engine's stats reach the API process async
+            return 'radixserve:generation_tokens_total 4.0' in await metrics_text()
+
+        await wait_until(both_counted, what="the engine stats of both requests")
+        text = await metrics_text()
         for name in ("prefix_cache_queries_total", "prefix_cache_hits_total",
                      "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                      "kv_cache_free_tokens", "kv_cache_cached_tokens", "kv_cache_held_tokens",

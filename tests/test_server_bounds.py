@@ -15,12 +15,12 @@ import pytest
 from aiohttp import web
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.engine_client import EngineClient
+from radixserve.ipc.client import EngineClient
 from radixserve.server.app import create_app
 from radixserve.server.bounds import GuardedRunner
 from radixserve.server.serve import drain
 from radixserve.server.state import STATE_KEY
-from radixserve.server.testing import FakeEngine, InlineTransport
+from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from tests.test_server import GREEDY, TOKENIZER, call, serve
 from tests.test_server_limits import wait_idle
 

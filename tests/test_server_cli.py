@@ -57,3 +57,11 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--help"])
     assert exc.value.code == 0 and "--max-concurrent-per-key" in capsys.readouterr().out
+
+
+def test_no_hidden_engine_factory_flag() -> None:
+    """The engine process only ever builds the real Engine from the CLI: no flag imports
+    arbitrary code into it."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--engine-factory", "os:system"])
+    assert exc.value.code == 2

@@ -14,18 +14,19 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.engine_client import (
+from radixserve.ipc.client import (
     EngineClient,
     EngineFailedError,
     EngineState,
     EngineUnavailableError,
     ProcessTransport,
 )
-from radixserve.messages import GenerateMsg
+from radixserve.ipc.messages import GenerateMsg
 from radixserve.server.app import create_app
-from radixserve.server.testing import FakeEngine
+from radixserve.testing.fake_engine import FakeEngine
 from radixserve.types import FinishReason, InvalidRequestError, SamplingParams, TokenOutput
 from tests.test_server import TOKENIZER
+from tests.waiting import wait_until
 
 CFG = EngineConfig(model="fake")
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
@@ -60,14 +61,10 @@ async def test_generate_abort_flush_shutdown(client: EngineClient) -> None:
     stream = client.generate(GenerateMsg("d", [1, 2], SamplingParams(max_tokens=400)))
     await stream.__anext__()
     await stream.aclose()  # stops listening: the engine must abort it
-    for _ in range(300):  # flush refuses while anything runs
-        if await client.flush_cache():
-            break
-        await asyncio.sleep(0.01)
-    # The flush reply is followed by fresh stats; a non-aborted request would run 400 steps.
-    await asyncio.sleep(0.05)
-    assert client.stats["num_running"] == 0 and client.stats["generation_tokens"] < 200
-    assert client.num_in_flight == 0
+    await wait_until(lambda: client.stats.get("num_aborted_requests") == 1,
+                     what="the engine's abort of the closed stream")
+    await wait_until(client.flush_cache, what="a flush (refused while anything runs)")
+    assert client.stats["num_running"] == 0 and client.num_in_flight == 0
     pid = proc(client).pid
     await client.shutdown()
     assert client.state is EngineState.STOPPED and not proc(client).is_alive()
@@ -117,10 +114,11 @@ async def test_health_is_503_while_loading(tmp_path: Path) -> None:
         assert resp.status == 503 and (await resp.json())["status"] == "loading"
         resp = await tc.post("/v1/completions", json={"prompt": "a"})
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "model_loading"
-        for _ in range(600):
-            if (await tc.get("/health")).status == 200:
-                break
-            await asyncio.sleep(0.05)
+
+        async def healthy() -> bool:
+            return (await tc.get("/health")).status == 200
+
+        await wait_until(healthy, timeout=60, what="the engine loaded")
         resp = await tc.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2,
                                                       "temperature": 0})
         assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "ab"

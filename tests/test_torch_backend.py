@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.engine.sampler import Sampler
 from radixserve.model.llama import GatedMLP, Linear, rms_norm
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import RopeSpec
-from radixserve.sampler import Sampler
-from radixserve.types import Phase, Req, SamplingParams
+from radixserve.sched.req import Req
+from radixserve.types import Phase, SamplingParams
 
 HKV, G, D, NUM_SLOTS = 2, 3, 32, 4096
 # CPU runs the fused flash kernel, CUDA the matmul + logsumexp path of the same plan.

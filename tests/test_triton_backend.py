@@ -103,10 +103,7 @@ def tiny_llama_hd32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_tokens_identical_to_torch_backend(tiny_llama_hd32: Path, page_size: int) -> None:
-    engine = pytest.importorskip("radixserve.engine")
-    if not hasattr(engine, "LLM"):
-        pytest.skip("radixserve.engine.LLM is not there yet")
-    from radixserve.types import SamplingParams
+    from radixserve import LLM, SamplingParams
 
     rng = random.Random(page_size)
     shared = [rng.randrange(3, 250) for _ in range(90)]  # not a multiple of the page size
@@ -114,11 +111,11 @@ def test_engine_tokens_identical_to_torch_backend(tiny_llama_hd32: Path, page_si
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     results = {}
     for backend in ("torch", "triton"):
-        llm = engine.LLM(model=str(tiny_llama_hd32), dtype="float32", attention_backend=backend,
+        llm = LLM(model=str(tiny_llama_hd32), dtype="float32", attention_backend=backend,
                          kv_cache_tokens=2048, page_size=page_size, device=DEVICE.type)
         first = llm.generate(prompts[:1], params)  # fills the radix cache with the shared part
         second = llm.generate(prompts, params)  # extend attention reads a cached prefix
         assert all(r.num_cached_tokens >= 80 for r in second), "second wave missed the cache"
-        results[backend] = [r.output_ids for r in first + second]
+        results[backend] = [r.token_ids for r in first + second]
     assert all(len(ids) == 8 for ids in results["torch"])
     assert results["triton"] == results["torch"]

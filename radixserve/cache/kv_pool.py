@@ -4,9 +4,11 @@ Owns: the device memory of the KV cache and of the (request row, token) -> slot 
 their sizing. Does not know: which slots are free (PageAllocator), which are cached
 (RadixCache), or which request holds what (the scheduler).
 
-Layout: k[layer] is (num_slots, kv_heads, head_dim); slot = page * page_size + offset.
-slot_table[row, i] is the slot of token i of the request in `row`; the model runner writes
-the entries of the tokens it computes, so entries past a request's length are stale.
+Layout: k and v are (num_layers, num_slots, kv_heads, head_dim), one tensor each, so k[layer]
+is a view; slot = page * page_size + offset. slot_table[row, i] is the slot of token i of the
+request in `row`; the scheduler's MemoryManager writes it (through cache/req_table.py) when it
+admits a request or gives it slots for the next tokens, and the model runner only reads it.
+Entries past a request's length are stale.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """RadixCache: the prefix tree that owns the cached KV slots.
 
 Owns the token-prefix -> slot mapping of every cached token, the lock counts that pin the
-prefixes running requests use, and LRU eviction of unlocked leaves. It does not know tensors,
+prefixes running requests use, and eviction of unlocked leaves (the order: eviction.py; LRU
+by default, SLRU, priority-aware, over-quota tenants first). It does not know tensors,
 requests, the page allocator (evict returns slots, the caller frees their pages) or the model;
 slot ids are plain ints it only checks for page alignment.
 
@@ -12,13 +13,11 @@ every key and every match is a whole number of pages. Invariants (check_integrit
   - lock_ref(node) >= sum of its children's lock_ref (a lock pins its node and all ancestors);
   - last_access(node) <= last_access(parent) (every touch touches the whole path);
   - the evictable leaves are exactly the unlocked non-root nodes without children; each has
-    an entry in the lazy LRU heap (stale entries are skipped or re-pushed when popped).
+    an up-to-date entry in the eviction queue (stale entries are skipped or re-pushed).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import struct
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +26,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from radixserve.cache.eviction import EvictionPolicy, EvictionQueue
 from radixserve.cache.radix_types import (
     CacheEvent,
     CacheEventKind,
@@ -60,6 +60,8 @@ class RadixCache:
     def __init__(
         self, page_size: int = 1, disabled: bool = False,
         on_event: Callable[[CacheEvent], None] | None = None,
+        eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
+        tenant_quota_tokens: int | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -67,13 +69,14 @@ class RadixCache:
         self.disabled = disabled
         self._on_event = on_event
         self._clock = 0
-        self._seq = itertools.count()  # heap tie-break, so nodes are never compared
         self._roots: dict[str, TreeNode] = {}
         self.root = self._new_root("")
         self._evictable_size = 0
         self._protected_size = 0
-        self._evictable_leaves: set[TreeNode] = set()
-        self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, seq, leaf), lazy
+        # Tenants (salts) holding more evictable tokens than this are evicted from first.
+        self.tenant_quota_tokens = tenant_quota_tokens
+        self._evictable_by_salt: dict[str, int] = {}
+        self._queue = EvictionQueue(EvictionPolicy(eviction_policy))
 
     @property
     def evictable_size(self) -> int:
@@ -89,12 +92,20 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable_size + self._protected_size
 
-    def match_prefix(self, token_ids: IntSeq, salt: str = "") -> MatchResult:
+    @property
+    def evictable_by_salt(self) -> dict[str, int]:
+        """Unlocked cached tokens per salt (tenant); salts with none are left out."""
+        return {salt: n for salt, n in self._evictable_by_salt.items() if n}
+
+    def match_prefix(self, token_ids: IntSeq, salt: str = "", priority: int | None = None
+                     ) -> MatchResult:
         """The longest cached prefix of token_ids in whole pages; touches it for LRU.
 
         Splits the last node when the match ends inside it, so the result's node covers
         exactly the match. Passing an array('i') skips a conversion. NOTE: the caller
         caps the query (e.g. token_ids[:-1]) when it needs logits for the last token.
+        `priority` given: this is a request's admission, a hit for SLRU; the matched path
+        records the hit and the request's priority (the inserter's own re-match passes None).
         """
         root = self._roots.get(salt)
         aligned_len = self._aligned(len(token_ids))
@@ -104,10 +115,29 @@ class RadixCache:
             return MatchResult(root, 0, [])
         query = self._to_array(token_ids, aligned_len)
         node, cached_len = self._walk(root, query, self._tick())
+        if priority is not None:
+            hit = node
+            while hit.parent is not None:
+                hit.hits += 1
+                hit.priority = priority
+                hit = hit.parent
         return MatchResult(node, cached_len, self._path_concat(node, values=True).tolist())
 
-    def insert(self, token_ids: IntSeq, slots: IntSeq, salt: str = "") -> InsertResult:
-        """Cache token_ids[:aligned_len] with their slots; see the class docstring for ownership."""
+    def peek_prefix_len(self, token_ids: IntSeq, salt: str = "") -> int:
+        """Length of the longest cached prefix (whole pages), changing nothing: no split, no
+        LRU touch. For ordering a waiting queue; admission then matches once for real."""
+        root = self._roots.get(salt)
+        aligned_len = self._aligned(len(token_ids))
+        if self.disabled or root is None or aligned_len == 0:
+            return 0
+        if self._child_key(token_ids, 0) not in root.children:
+            return 0
+        return self._walk(root, self._to_array(token_ids, aligned_len), None)[1]
+
+    def insert(self, token_ids: IntSeq, slots: IntSeq, salt: str = "", priority: int = 0
+               ) -> InsertResult:
+        """Cache token_ids[:aligned_len] with their slots; see the class docstring for ownership.
+        A new leaf records `priority` (the inserting request's)."""
         if len(token_ids) != len(slots):
             raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
         aligned_len = self._aligned(len(token_ids))
@@ -120,16 +150,16 @@ class RadixCache:
         if num_cached < aligned_len:
             value = self._to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
             self._assert_whole_pages(value)
-            node = self._add_leaf(node, query[num_cached:], value, tick)
+            node = self._add_leaf(node, query[num_cached:], value, tick, priority)
         return InsertResult(num_cached, node)
 
     def lock(self, node: TreeNode) -> None:
         """Pin node and its ancestors against eviction. Locking a root does nothing."""
         while node.parent is not None:
             if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
+                self._count_evictable(node, -len(node.key))
                 self._protected_size += len(node.key)
-                self._evictable_leaves.discard(node)
+                self._queue.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -140,27 +170,30 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._protected_size -= len(node.key)
-                self._evictable_size += len(node.key)
+                self._count_evictable(node, len(node.key))
                 if not node.children:
-                    self._push_evictable(node)
+                    self._queue.add(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> list[int]:
-        """Remove unlocked leaves, least recently used first, until >= num_tokens slots are
-        freed or nothing is evictable. Whole leaves only, so the last one may overshoot.
-        Returns the freed slots; the caller gives their pages back to the allocator."""
+        """Remove unlocked leaves in eviction order (eviction.py), tenants over their quota
+        first, until >= num_tokens slots are freed or nothing is evictable. Whole leaves only,
+        so the last one may overshoot. Returns the freed slots; the caller gives their pages
+        back to the allocator."""
         freed: array[int] = array("i")
-        heap = self._heap
-        while len(freed) < num_tokens and heap:
-            access, _, node = heapq.heappop(heap)
-            if node not in self._evictable_leaves:
-                continue  # locked, grew children or already evicted since it was pushed
-            if access != node.last_access:  # touched since it was pushed: requeue at its age
-                heapq.heappush(heap, (node.last_access, next(self._seq), node))
-                continue
+        while len(freed) < num_tokens:
+            node = self._queue.pop(self._over_quota()) or self._queue.pop()
+            if node is None:
+                break
             self._remove_leaf(node)
             freed.extend(node.value)
         return freed.tolist()
+
+    def _over_quota(self) -> list[str]:
+        quota = self.tenant_quota_tokens
+        if quota is None:
+            return []
+        return [salt for salt, n in self._evictable_by_salt.items() if n > quota]
 
     def reset(self) -> list[int]:
         """Drop everything; returns every slot the tree held. Nothing may be locked."""
@@ -169,8 +202,8 @@ class RadixCache:
         self._roots.clear()
         self.root = self._new_root("")
         self._evictable_size = 0
-        self._evictable_leaves.clear()
-        self._heap.clear()
+        self._evictable_by_salt.clear()
+        self._queue.clear()
         if self._on_event is not None:
             self._on_event(CacheEvent(CacheEventKind.CLEARED, (), 0, ""))
         return slots
@@ -187,6 +220,7 @@ class RadixCache:
             assert root.parent is None and not root.key and root.salt == salt, root
             assert root.lock_ref == 0, "a root was locked"
         evictable = protected = 0
+        by_salt: dict[str, int] = {}
         leaves: set[TreeNode] = set()
         values: array[int] = array("i")
         for node in self._iter_nodes():
@@ -200,13 +234,14 @@ class RadixCache:
                 protected += n
             else:
                 evictable += n
+                by_salt[node.salt] = by_salt.get(node.salt, 0) + n
                 if not node.children:
                     leaves.add(node)
             values.extend(node.value)
         assert (evictable, protected) == (self._evictable_size, self._protected_size)
-        assert leaves == self._evictable_leaves, "evictable leaf set is stale"
-        assert all(access <= node.last_access for access, _, node in self._heap)
-        assert leaves <= {node for _, _, node in self._heap}, "an evictable leaf is not queued"
+        assert by_salt == self.evictable_by_salt, (by_salt, self.evictable_by_salt)
+        assert leaves == self._queue.leaves, "evictable leaf set is stale"
+        assert leaves <= self._queue.queued(), "an evictable leaf is not queued"
         assert len(np.unique(np.frombuffer(values, dtype=_INT))) == len(values), "slot twice"
         self._assert_whole_pages(values)
 
@@ -251,9 +286,11 @@ class RadixCache:
         first = int(np.argmax(a != b))
         return first - first % self.page_size
 
-    def _walk(self, root: TreeNode, query: array[int], tick: int) -> tuple[TreeNode, int]:
+    def _walk(self, root: TreeNode, query: array[int], tick: int | None
+              ) -> tuple[TreeNode, int]:
         """Descend along query, splitting where it diverges inside a node and touching every
-        node passed; returns the deepest matched node and the matched length."""
+        node passed; returns the deepest matched node and the matched length. With tick None
+        (a peek) nothing changes and the node returned may extend past the match."""
         node, pos = root, 0
         while pos < len(query):
             child = node.children.get(self._child_key(query, pos))
@@ -261,6 +298,11 @@ class RadixCache:
                 break
             m = self._common_len(child.key, query, pos)
             assert m > 0, "a child matched by its first page must share that page"
+            if tick is None:
+                node, pos = child, pos + m
+                if m < len(child.key):
+                    break
+                continue
             if m < len(child.key):
                 child = self._split(child, m)  # the rest of child differs or the query ended
             child.last_access = tick
@@ -273,18 +315,20 @@ class RadixCache:
         assert parent is not None
         upper = TreeNode(child.key[:m], child.value[:m], parent, child.last_access, child.salt)
         upper.lock_ref = child.lock_ref
+        upper.hits, upper.priority = child.hits, child.priority
         parent.children[self._child_key(child.key, 0)] = upper
         child.key, child.value, child.parent = child.key[m:], child.value[m:], upper
         upper.children[self._child_key(child.key, 0)] = child
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: array[int], value: array[int], tick: int
-                  ) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: array[int], value: array[int], tick: int,
+                  priority: int) -> TreeNode:
         leaf = TreeNode(key, value, parent, tick, parent.salt)
-        self._evictable_leaves.discard(parent)  # it has a child now
+        leaf.priority = priority
+        self._queue.discard(parent)  # it has a child now
         parent.children[self._child_key(key, 0)] = leaf
-        self._evictable_size += len(key)
-        self._push_evictable(leaf)
+        self._count_evictable(leaf, len(key))
+        self._queue.add(leaf)
         self._emit(CacheEventKind.STORED, leaf)
         return leaf
 
@@ -293,21 +337,17 @@ class RadixCache:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         del parent.children[self._child_key(leaf.key, 0)]
-        self._evictable_leaves.remove(leaf)
-        self._evictable_size -= len(leaf.key)
+        self._queue.discard(leaf)
+        self._count_evictable(leaf, -len(leaf.key))
         if parent.parent is not None:
             if not parent.children and parent.lock_ref == 0:
-                self._push_evictable(parent)
+                self._queue.add(parent)
         elif not parent.children and parent.salt:
             del self._roots[parent.salt]  # an empty namespace costs nothing to recreate
 
-    def _push_evictable(self, node: TreeNode) -> None:
-        self._evictable_leaves.add(node)
-        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
-            # Stale entries pile up under lock/unlock churn; rebuild in O(leaves), amortized.
-            self._heap = [(n.last_access, next(self._seq), n) for n in self._evictable_leaves]
-            heapq.heapify(self._heap)
+    def _count_evictable(self, node: TreeNode, delta: int) -> None:
+        self._evictable_size += delta
+        self._evictable_by_salt[node.salt] = self._evictable_by_salt.get(node.salt, 0) + delta
 
     def _path_concat(self, node: TreeNode, values: bool) -> array[int]:
         parts: list[array[int]] = []

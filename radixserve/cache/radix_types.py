@@ -36,7 +36,8 @@ class CacheEvent(NamedTuple):
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "salt")
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "salt",
+                 "hits", "priority")
 
     def __init__(
         self, key: array[int], value: array[int], parent: TreeNode | None, last_access: int,
@@ -49,6 +50,8 @@ class TreeNode:
         self.lock_ref = 0  # locks held on this node or any descendant
         self.last_access = last_access  # the cache's operation counter, not wall time
         self.salt = salt
+        self.hits = 0  # admissions that matched this node after its insert (SLRU's promotion)
+        self.priority = 0  # of the last request that matched it (lower = more important)
 
     def __repr__(self) -> str:
         return (f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, "

@@ -10,12 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from radixserve.model_source import ModelLoadError
+
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE = ("default", "linear", "llama3")
-
-
-class ModelLoadError(ValueError):
-    """The model cannot be found or is not supported; the message says what to do."""
 
 
 @dataclass(frozen=True)

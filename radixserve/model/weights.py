@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from radixserve.model.spec import ModelLoadError, ModelSpec
+from radixserve.model.spec import ModelSpec
+from radixserve.model_source import ModelLoadError
 
 
 @dataclass

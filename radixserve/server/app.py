@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from radixserve.config import ServerConfig
-from radixserve.engine_client import EngineClient
+from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import KVEventPublisher
 from radixserve.server.bounds import BODY_TIMEOUT_KEY
 from radixserve.server.errors import APIError, error_response, to_api_error

@@ -76,7 +76,7 @@ def error_response(err: APIError) -> web.Response:
 def to_api_error(exc: BaseException) -> APIError | None:
     """The client-facing form of an error we expect; None for a bug (the caller logs a 500)."""
     # Imported here: errors.py must stay importable without the engine client (tests, router).
-    from radixserve.engine_client import EngineFailedError, EngineUnavailableError
+    from radixserve.ipc.client import EngineFailedError, EngineUnavailableError
 
     if isinstance(exc, APIError):
         return exc

@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from radixserve.messages import GenerateMsg
+from radixserve.ipc.messages import GenerateMsg
 from radixserve.server.detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
 from radixserve.server.metrics import ServerMetrics
 from radixserve.types import FinishReason, SamplingParams, TokenLogprobs, TokenOutput
@@ -40,6 +40,7 @@ class ChoiceJob:
     params: SamplingParams
     stop: tuple[str, ...]
     cache_salt: str
+    priority: int = 0
 
 
 @dataclass
@@ -91,7 +92,7 @@ async def stream_choice(client: GenerateClient, tokenizer: Decoder, job: ChoiceJ
     stopper = StopMatcher(job.stop)
     hidden = set(hidden_ids) | set(job.params.stop_token_ids)
     timer = _Timer(metrics, time.perf_counter() if arrival is None else arrival)
-    msg = GenerateMsg(job.rid, list(job.prompt_ids), job.params, job.cache_salt)
+    msg = GenerateMsg(job.rid, list(job.prompt_ids), job.params, job.cache_salt, job.priority)
     chunk = ChoiceChunk(job.index, "")
     first, finish = True, None
     try:

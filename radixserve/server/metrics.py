@@ -27,6 +27,7 @@ _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted (retracted) under KV pressure.",
     "prompt_tokens": "Prompt tokens admitted.",
     "generation_tokens": "Tokens generated.",
+    "num_aborted_requests": "Requests the engine aborted (client gone, cancelled).",
 }
 _ENGINE_GAUGES = {
     "num_requests_running": ("num_running", "Requests in the running batch."),
@@ -47,8 +48,10 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 1
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]],
+                 tenant_label: Callable[[str], str]) -> None:
         self._stats = stats
+        self._tenant_label = tenant_label
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -62,12 +65,22 @@ class _EngineStatsCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
                                 "Fraction of KV slots held by running requests (0..1).",
                                 value=usage)
+        tenants = GaugeMetricFamily(
+            PREFIX + "tenant_cached_tokens",
+            "Unlocked cached KV tokens per tenant (cache namespace: one per API key).",
+            labels=["tenant"])
+        for salt, n in sorted((stats.get("tenant_cached_tokens") or {}).items()):
+            tenants.add_metric([self._tenant_label(salt)], float(n))
+        yield tenants
 
 
 class ServerMetrics:
     """Everything /metrics renders. `stats` returns the engine's latest snapshot."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]],
+                 tenant_label: Callable[[str], str] = lambda salt: salt[:12] or "shared",
+                 ) -> None:
+        """`tenant_label` names a cache salt in labels (never the API key itself)."""
         self.registry = CollectorRegistry()
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
@@ -100,7 +113,7 @@ class ServerMetrics:
         self.request_timeouts = Counter(
             PREFIX + "request_timeouts", "Requests aborted by --request-timeout or their own "
             "'timeout'.", registry=self.registry)
-        self.registry.register(_EngineStatsCollector(stats))
+        self.registry.register(_EngineStatsCollector(stats, tenant_label))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

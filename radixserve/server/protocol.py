@@ -44,10 +44,13 @@ _SAMPLING_FIELDS = frozenset({
     "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
     "max_tokens", "max_completion_tokens",
 })
-_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "timeout"}
+_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
+                                     "timeout"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs"}
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "timeout"})
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
+                             "timeout"})
+MAX_ABS_PRIORITY = 1_000_000
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n",
 }
@@ -63,6 +66,7 @@ class RequestOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    priority: int = 0  # lower = more important (vLLM); orders admission, preemption, eviction
     timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
 
 
@@ -142,10 +146,12 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         check_fields(stream_options, frozenset({"include_usage"}), "stream_options")
         include_usage = bool(get_bool(stream_options, "include_usage", "stream_options"))
+    priority = get_int(body, "priority", lo=-MAX_ABS_PRIORITY, hi=MAX_ABS_PRIORITY) or 0
     timeout = get_float(body, "timeout")
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
-    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, timeout)
+    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
+                          timeout)
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
@@ -250,5 +256,6 @@ def parse_generate(body: Any) -> GenerateRequest:
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
+    renamed["priority"] = body.get("priority")
     renamed["timeout"] = body.get("timeout")
     return GenerateRequest(prompt, _parse_options(renamed, None, None))

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.engine_client import EngineState
+from radixserve.ipc.client import EngineState
 from radixserve.server.errors import APIError, json_response
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
 from radixserve.server.metrics import CONTENT_TYPE

@@ -22,8 +22,8 @@ import signal
 from aiohttp import web
 
 from radixserve.config import ConfigError, ServerConfig
-from radixserve.engine_client import EngineClient, EngineUnavailableError
-from radixserve.engine_proc import DEFAULT_ENGINE_FACTORY, EngineFactory
+from radixserve.ipc.client import EngineClient, EngineUnavailableError
+from radixserve.ipc.transport import EngineFactory
 from radixserve.server.app import LOAD_TASK_KEY, create_app
 from radixserve.server.bounds import GuardedRunner
 from radixserve.server.state import STATE_KEY, ServerState
@@ -110,7 +110,7 @@ async def drain(state: ServerState, timeout: float) -> None:
                        state.admission.num_requests)
 
 
-async def serve(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> int:
+async def serve(cfg: ServerConfig, factory: EngineFactory | None = None) -> int:
     """Run until SIGINT/SIGTERM (drain, 0) or until the engine fails for good (1)."""
     app = create_app(cfg, EngineClient.spawn(cfg.engine, factory))
     state = app[STATE_KEY]
@@ -146,7 +146,7 @@ async def serve(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTO
     return code
 
 
-def run_server(cfg: ServerConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> int:
+def run_server(cfg: ServerConfig, factory: EngineFactory | None = None) -> int:
     setup_logging()
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(serve(cfg, factory))

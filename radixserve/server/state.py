@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from radixserve.config import ServerConfig
-from radixserve.engine_client import EngineClient, EngineState
+from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server.auth import ANONYMOUS_CALLER, ApiKeys, Caller
 from radixserve.server.bounds import deadline_events
 from radixserve.server.bounds import read_json as read_json  # re-exported for routes
@@ -190,7 +190,7 @@ class ServerState:
                 if params.seed is not None and i:
                     choice_params = dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
                 jobs.append(ChoiceJob(len(jobs), p_idx, uuid.uuid4().hex, tuple(ids),
-                                      choice_params, opts.stop, salt))
+                                      choice_params, opts.stop, salt, opts.priority))
         return jobs
 
     def caller_jobs(self, request: web.Request, prompts: Sequence[list[int]],

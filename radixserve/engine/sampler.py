@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.types import Req, TokenLogprobs
+from radixserve.sched.req import Req
+from radixserve.types import TokenLogprobs
 
 
 @dataclass(frozen=True)

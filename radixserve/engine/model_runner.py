@@ -19,13 +19,13 @@ from radixserve.attention.base import AttentionBackend, AttentionMetadata, Share
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
+from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.model.llama import LlamaModel
-from radixserve.model.loader import ResolvedModel, resolve_model
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import ModelSpec, read_model_spec
 from radixserve.model.weights import load_weights
-from radixserve.sampler import Sampler, SampleResult
-from radixserve.types import Batch, Req
+from radixserve.model_source import ResolvedModel, resolve_model
+from radixserve.sched.req import Batch, Req
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,11 @@
 """The API process's handle on the engine: start it, stream tokens per request, abort, stop.
 
-Owns: EngineClient (per-rid asyncio queues, engine state, latest stats) and ProcessTransport
-(the engine in its own spawned process, talking over two pipes). Does not know: HTTP,
-tokenizers, what the engine does inside a step.
-
-Threads: the pipes are read and written by two small daemon threads, so neither a large
-GenerateMsg nor a burst of token batches ever blocks the event loop; everything they receive
-is handed to the loop with call_soon_threadsafe, and all client state is touched on the loop only.
+Owns: EngineClient (per-rid asyncio queues, engine state, latest stats, and the engine's
+lives: an engine that dies fails every request in flight at once, and `restart` starts a new
+one through the transport factory). Does not know: HTTP, tokenizers, what the engine does
+inside a step, how messages travel (transport.py), when to restart (server/serve.py).
+Everything a transport's threads receive is handed to the loop with call_soon_threadsafe, and
+all client state is touched on the loop only.
 """
 
 from __future__ import annotations
@@ -14,19 +13,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import multiprocessing as mp
-import queue
-import threading
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from radixserve.config import EngineConfig
-from radixserve.engine_proc import (
-    DEFAULT_ENGINE_FACTORY,
-    EngineFactory,
-    run_engine_process,
-)
-from radixserve.messages import (
+from radixserve.ipc.messages import (
     AbortMsg,
     CacheEventsMsg,
     EngineErrorMsg,
@@ -35,9 +26,9 @@ from radixserve.messages import (
     FlushCacheMsg,
     FlushCacheResultMsg,
     GenerateMsg,
-    ShutdownMsg,
     TokenBatchMsg,
 )
+from radixserve.ipc.transport import EngineFactory, ProcessTransport, Transport
 from radixserve.types import InvalidRequestError, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -58,99 +49,16 @@ class EngineFailedError(RuntimeError):
     """The engine failed while this request was in flight: HTTP 500."""
 
 
-class Transport(Protocol):
-    """How messages reach an engine loop and come back (a process, or inline in tests)."""
-
-    def start(self, on_message: Callable[[Any], None], on_exit: Callable[[str], None]) -> None: ...
-    def send(self, msg: Any) -> None: ...
-    def is_alive(self) -> bool: ...
-    async def close(self, timeout: float) -> None: ...
-
-
-class ProcessTransport:
-    """The engine in a spawned process (spawn: fork after CUDA or torch threads is unsafe)."""
-
-    def __init__(self, cfg: EngineConfig, factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> None:
-        self._cfg = cfg
-        self._factory = factory
-        self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._proc: Any = None
-        self._threads: list[threading.Thread] = []
-
-    def start(self, on_message: Callable[[Any], None], on_exit: Callable[[str], None]) -> None:
-        ctx = mp.get_context("spawn")
-        req_recv, req_send = ctx.Pipe(duplex=False)
-        out_recv, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=run_engine_process, args=(self._cfg, self._factory, req_recv, out_send),
-            name="radixserve-engine",
-        )
-        self._proc.start()
-        # Drop our copies of the child's ends: then the child's exit is an EOF on out_recv.
-        req_recv.close()
-        out_send.close()
-        self._threads = [
-            threading.Thread(target=self._read_loop, args=(out_recv, on_message, on_exit),
-                             name="engine-reader", daemon=True),
-            threading.Thread(target=self._write_loop, args=(req_send,), name="engine-writer",
-                             daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    @staticmethod
-    def _read_loop(conn: Any, on_message: Callable[[Any], None],
-                   on_exit: Callable[[str], None]) -> None:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                on_exit("the engine process exited")
-                conn.close()
-                return
-            on_message(msg)
-
-    def _write_loop(self, conn: Any) -> None:
-        while (msg := self._outgoing.get()) is not None:
-            try:
-                conn.send(msg)
-            except OSError:
-                break  # the engine is gone; the reader reports it
-        conn.close()
-
-    def send(self, msg: Any) -> None:
-        self._outgoing.put(msg)
-
-    def is_alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    async def close(self, timeout: float) -> None:
-        if self._proc is None:
-            return
-        self._outgoing.put(ShutdownMsg())
-        self._outgoing.put(None)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._proc.join, timeout)
-        if self._proc.is_alive():
-            logger.warning("engine did not stop in %.1fs; terminating it", timeout)
-            self._proc.terminate()
-            await loop.run_in_executor(None, self._proc.join, 2.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            await loop.run_in_executor(None, self._proc.join, 2.0)
-        for thread in self._threads:
-            await loop.run_in_executor(None, thread.join, 2.0)
-
-
 class EngineClient:
     """Async front of one engine. All methods run on the event loop that called start()."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport,
+                 respawn: Callable[[], Transport] | None = None) -> None:
+        """`respawn` builds a fresh transport for `restart` (None: no restarts)."""
         self._transport = transport
+        self._respawn = respawn
+        self._life = 0  # which transport's messages count: a dead one's late ones do not
+        self._died: asyncio.Future[str] | None = None
         self.state = EngineState.LOADING
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
@@ -162,9 +70,9 @@ class EngineClient:
         self._flush_waiters: list[asyncio.Future[bool]] = []
 
     @classmethod
-    def spawn(cls, cfg: EngineConfig,
-              factory: EngineFactory = DEFAULT_ENGINE_FACTORY) -> EngineClient:
-        return cls(ProcessTransport(cfg, factory))
+    def spawn(cls, cfg: EngineConfig, factory: EngineFactory | None = None) -> EngineClient:
+        """The engine in its own process; `factory` None: the real Engine (tests: fakes)."""
+        return cls(ProcessTransport(cfg, factory), lambda: ProcessTransport(cfg, factory))
 
     @property
     def transport(self) -> Transport:
@@ -178,16 +86,39 @@ class EngineClient:
         """Start the engine and wait for it to be ready. Raises EngineUnavailableError."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
+        self._died = self._loop.create_future()
+        self._life += 1
         self._transport.start(self._from_thread(self._on_message), self._from_thread(self._on_exit))
         return await self._ready
+
+    async def wait_dead(self) -> str:
+        """Wait until the engine (the current one) dies; the reason. Call after start()."""
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
+
+    async def restart(self) -> dict[str, Any]:
+        """Replace a dead engine with a fresh one and wait for it to be ready.
+
+        Raises EngineUnavailableError when the new one fails to start (the client stays DEAD).
+        """
+        assert self.state is EngineState.DEAD and self._respawn is not None
+        old, self._transport = self._transport, self._respawn()
+        await old.close(2.0)  # reap the dead process and its pipe threads
+        self.state, self.error, self.stats = EngineState.LOADING, None, {}
+        return await self.start()
 
     def _from_thread(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
         loop = self._loop
         assert loop is not None
+        life = self._life
+
+        def on_loop(arg: Any) -> None:
+            if life == self._life:  # else: from an engine that died and was replaced
+                fn(arg)
 
         def call(arg: Any) -> None:
             try:
-                loop.call_soon_threadsafe(fn, arg)
+                loop.call_soon_threadsafe(on_loop, arg)
             except RuntimeError:
                 pass  # the loop is closed: the server is gone, nobody to tell
 
@@ -251,6 +182,8 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(EngineUnavailableError(reason))
         self._flush_waiters.clear()
+        if self._died is not None and not self._died.done():
+            self._died.set_result(reason)
 
     def _check_ready(self) -> None:
         if self.state is EngineState.LOADING:

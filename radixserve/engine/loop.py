@@ -1,7 +1,8 @@
 """The engine's own process: receive messages, step the engine, send token batches back.
 
 Owns: EngineLoop (message handling and one loop iteration around an engine object) and
-run_engine_process (the process entry point). Does not know: HTTP, tokenizers, asyncio.
+run_engine_process (the process entry point; ipc/transport.py spawns it by name, so the API
+process never imports this package's heavy side). Does not know: HTTP, tokenizers, asyncio.
 
 Loop shape: drain the inbox (without blocking while the engine has work, blocking up to the
 stats interval while idle, so an idle engine costs nothing), run one `step()`, send one
@@ -12,17 +13,16 @@ EngineErrorMsg(rid); anything else is fatal: EngineErrorMsg(None), then the proc
 
 from __future__ import annotations
 
-import importlib
 import logging
 import signal
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
+from radixserve.ipc.messages import (
     AbortMsg,
     CacheEventsMsg,
     EngineErrorMsg,
@@ -39,13 +39,13 @@ from radixserve.types import InvalidRequestError, TokenOutput
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
-DEFAULT_ENGINE_FACTORY = "radixserve.engine:Engine"
 
 
 class EngineLike(Protocol):
     """The Engine contract this loop drives (radixserve.engine.Engine and test fakes)."""
 
-    info: dict[str, Any]
+    @property
+    def info(self) -> dict[str, Any]: ...
 
     def add_request(self, msg: GenerateMsg) -> None: ...
     def abort(self, rid: str) -> None: ...
@@ -54,21 +54,6 @@ class EngineLike(Protocol):
     def flush_cache(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
     def drain_cache_events(self) -> list[Any]: ...
-
-
-# A "module:attr" path (resolved in the engine process, so the API process never imports the
-# engine's heavy dependencies) or a picklable callable such as a functools.partial.
-EngineFactory = Union[str, Callable[[EngineConfig], EngineLike]]
-
-
-def resolve_factory(factory: EngineFactory) -> Callable[[EngineConfig], EngineLike]:
-    if not isinstance(factory, str):
-        return factory
-    module_name, _, attr = factory.partition(":")
-    factory_fn: Callable[[EngineConfig], EngineLike] = getattr(
-        importlib.import_module(module_name), attr
-    )
-    return factory_fn
 
 
 class EngineLoop:
@@ -138,14 +123,21 @@ class EngineLoop:
             was_busy = busy
 
 
-def run_engine_process(cfg: EngineConfig, factory: EngineFactory, inbox: Connection,
-                       outbox: Connection) -> None:
-    """Process entry point (multiprocessing spawn target)."""
+def run_engine_process(cfg: EngineConfig,
+                       factory: Callable[[EngineConfig], EngineLike] | None,
+                       inbox: Connection, outbox: Connection) -> None:
+    """Process entry point. `factory` None builds the real Engine (tests pass fakes)."""
     # Ctrl-C reaches the whole process group; the API process owns the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
-        engine = resolve_factory(factory)(cfg)
+        engine: EngineLike
+        if factory is None:
+            from radixserve.engine.engine import Engine
+
+            engine = Engine(cfg)
+        else:
+            engine = factory(cfg)
     except Exception as err:  # noqa: BLE001 - any start-up failure is reported, not raised
         logger.exception("engine start failed")
         outbox.send(EngineErrorMsg(f"engine failed to start: {type(err).__name__}: {err}"))

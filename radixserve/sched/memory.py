@@ -14,10 +14,24 @@ Region diagram of one request's slots (P = page size, k = cached_len rounded dow
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.req_table import ReqTable
-from radixserve.types import Req
+from radixserve.sched.req import Req
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """Where the pool's tokens are: free + cached + held == total (cached includes evictable)."""
+
+    total: int
+    free: int
+    cached: int
+    evictable: int
+    held: int
+
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -63,7 +77,10 @@ class MemoryManager:
     # ---- admission -----------------------------------------------------------------------
 
     def peek_match(self, req: Req) -> int:
-        return self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt).cached_len
+        """Cached prefix length for ordering the queue; changes nothing in the tree."""
+        if self.disabled:
+            return 0
+        return self.cache.peek_prefix_len(req.token_ids[: req.num_tokens - 1], req.cache_salt)
 
     def admit(self, req: Req, budget: int, chunk_cap: int | None, reserve: int,
               force: bool) -> int:
@@ -75,7 +92,8 @@ class MemoryManager:
         req.table_row = row
         if not self.disabled:
             # Leave at least one token to compute: its logits give the next token.
-            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt,
+                                            priority=req.priority)
             self.cache.lock(match.node)
             req.cache_node, req.slots = match.node, list(match.slots)
             req.prefix_len = req.cached_len = match.cached_len
@@ -108,7 +126,7 @@ class MemoryManager:
         k = req.cached_len // self.page * self.page
         if k <= req.prefix_len:
             return
-        ins = self.cache.insert(req.token_ids[:k], req.slots[:k], req.cache_salt)
+        ins = self.cache.insert(req.token_ids[:k], req.slots[:k], req.cache_salt, req.priority)
         dup = req.slots[req.prefix_len : ins.num_already_cached]
         match = self.cache.match_prefix(req.token_ids[:k], req.cache_salt)
         assert match.cached_len == k, (match.cached_len, k)
@@ -154,6 +172,18 @@ class MemoryManager:
 
     def held_tokens(self, live: list[Req]) -> int:
         return sum(len(r.slots) - r.prefix_len for r in live)
+
+    def usage(self, live: list[Req]) -> KVUsage:
+        return KVUsage(total=self.allocator.num_pages * self.page,
+                       free=self.allocator.num_free_slots, cached=self.cache.total_size,
+                       evictable=self.cache.evictable_size, held=self.held_tokens(live))
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix; only when no request holds a lock (the caller checks)."""
+        assert self.cache.protected_size == 0, "flush with locked prefixes"
+        freed = self.cache.reset()
+        if freed:
+            self.allocator.free(self.allocator.slots_to_pages(freed))
 
     def check_integrity(self, live: list[Req]) -> None:
         """free + cached + held == total, no slot owned twice, locks match live requests."""

@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
-from radixserve.sched_memory import MemoryManager
-from radixserve.sched_policy import order_waiting, shares_uncached_prefix
+from radixserve.sched.memory import MemoryManager
+from radixserve.sched.policy import order_waiting, shares_uncached_prefix
+from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.types import (
-    Batch,
     FinishReason,
     InvalidRequestError,
     Phase,
-    Req,
-    ReqStatus,
     SamplingParams,
     TokenLogprobs,
     TokenOutput,
@@ -52,12 +51,12 @@ class Scheduler:
         self.last_phase = Phase.DECODE
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0,
-                         "computed_tokens": 0}
+                         "computed_tokens": 0, "num_aborted_requests": 0}
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            cache_salt: str = "") -> Req:
+            cache_salt: str = "", priority: int = 0) -> Req:
         """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
         n = len(prompt_ids)
         if rid in self.reqs:
@@ -74,7 +73,8 @@ class Scheduler:
                 f"you requested {n + max_new} tokens ({n} in the prompt, {max_new} in the "
                 f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
         req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=n, params=params,
-                  max_new_tokens=max_new, cache_salt=cache_salt, arrival=time.monotonic())
+                  max_new_tokens=max_new, cache_salt=cache_salt, priority=priority,
+                  arrival=time.monotonic())
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
@@ -89,6 +89,7 @@ class Scheduler:
             self._drop_live(req)
             self.mem.release(req)
         self._finish(req, FinishReason.ABORT)
+        self.counters["num_aborted_requests"] += 1
         self.aborted.append(req)
 
     def has_work(self) -> bool:
@@ -147,8 +148,8 @@ class Scheduler:
                                force=not (reqs or self.running or self.prefilling))
             if n == 0:
                 break
-            if req.num_preemptions == 0 and not req.extra.get("counted"):
-                req.extra["counted"] = True
+            if not req.stats_counted:
+                req.stats_counted = True
                 req.num_cached_tokens = req.cached_len
                 self.counters["prefix_cache_queries"] += req.num_prompt_tokens
                 self.counters["prefix_cache_hits"] += req.cached_len
@@ -163,7 +164,7 @@ class Scheduler:
             self.prefilling.append(req)
         if newly:
             for req in self.waiting:  # passed over this round: ages towards the guard
-                req.extra["skips"] = req.extra.get("skips", 0) + 1
+                req.num_skips += 1
 
     def _future_tokens(self, req: Req) -> int:
         return int(min(req.remain_tokens, 4096) * self.mem.new_token_ratio)
@@ -203,9 +204,10 @@ class Scheduler:
                       if all(r is not e for e in exclude)]
         if not candidates:
             return None
-        # The request that loses least: fewest output tokens, least prompt computed, then the
-        # longest prompt (most of which stays in the tree and is matched back on resumption).
-        return min(candidates, key=lambda r: (r.num_output_tokens, r.cached_len,
+        # The least important request first; among equals the one that loses least: fewest
+        # output tokens, least prompt computed, then the longest prompt (most of which stays
+        # in the tree and is matched back on resumption).
+        return min(candidates, key=lambda r: (-r.priority, r.num_output_tokens, r.cached_len,
                                               -r.num_prompt_tokens))
 
     def _retract(self, req: Req) -> None:
@@ -277,6 +279,25 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         del self.reqs[req.rid]
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. False (nothing done) while requests are admitted."""
+        if self.running or self.prefilling:
+            return False
+        self.mem.flush_cache()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        live = self.running + self.prefilling
+        kv = self.mem.usage(live)
+        return {
+            "num_running": len(live), "num_waiting": len(self.waiting),
+            "kv_total_tokens": kv.total, "kv_free_tokens": kv.free,
+            "kv_cached_tokens": kv.cached, "kv_evictable_tokens": kv.evictable,
+            "kv_held_tokens": kv.held, **self.counters,
+            # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
+            "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
+        }
 
     def check_integrity(self) -> None:
         live = self.running + self.prefilling

@@ -1,9 +1,10 @@
-"""Test doubles for the engine: FakeEngine (the Engine contract, no model) and InlineTransport.
+"""Test double for the engine: FakeEngine (the Engine contract, no model) and InlineTransport.
 
 Owns: a deterministic engine that "generates" by echoing its prompt (so tests can predict
 text, stop strings and UTF-8 splits), with real-looking KV accounting and prefix-cache hits;
 and a transport that runs an EngineLoop as an asyncio task in the same process.
-Does not know: HTTP. Used by tests and by bench/http_overhead.py; never by `radixserve serve`.
+Does not know: HTTP. Used by tests and bench/http_overhead.py; `radixserve serve` has no way
+to load it (the engine process builds the real Engine unless a test passes a factory).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Any
 
 from radixserve.cache.radix_cache import CacheEvent, CacheEventKind
 from radixserve.config import EngineConfig
-from radixserve.engine_proc import EngineLike, EngineLoop
-from radixserve.messages import EngineErrorMsg, EngineReadyMsg, GenerateMsg
+from radixserve.engine.loop import EngineLike, EngineLoop
+from radixserve.ipc.messages import EngineErrorMsg, EngineReadyMsg, GenerateMsg
 from radixserve.types import FinishReason, InvalidRequestError, TokenLogprobs, TokenOutput
 
 
@@ -62,7 +63,7 @@ class FakeEngine:
         self._events: list[CacheEvent] = []
         self._counters = dict.fromkeys(
             ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-             "generation_tokens"), 0)
+             "generation_tokens", "num_aborted_requests"), 0)
         self.info = {
             "model": Path(cfg.model).name, "model_path": cfg.model,
             "max_model_len": self.max_model_len,
@@ -105,8 +106,9 @@ class FakeEngine:
 
     def abort(self, rid: str) -> None:
         req = self._running.get(rid)
-        if req is not None:
+        if req is not None and not req.aborted:
             req.aborted = True
+            self._counters["num_aborted_requests"] += 1
 
     def has_work(self) -> bool:
         return bool(self._running)

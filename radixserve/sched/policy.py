@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixserve.types import Req
+from radixserve.sched.req import Req
 
 LPM_MAX_QUEUE = 128  # past this, matching every waiting request costs more than it saves
 AGE_GUARD_SKIPS = 16  # a request passed over this many times goes to the front
@@ -20,14 +20,16 @@ SHARE_MIN_TOKENS = 32  # an uncached run this long shared with a chosen request:
 def order_waiting(waiting: Sequence[Req], match_lens: dict[str, int], policy: str) -> list[Req]:
     """Requests in the order admission should try them.
 
-    lpm: most cached tokens first (ties: arrival), except that requests passed over
-    AGE_GUARD_SKIPS times come first in arrival order, so a miss is never starved.
+    Priority first (lower = more important), then lpm: most cached tokens first (ties:
+    arrival), or fcfs: arrival. Requests passed over AGE_GUARD_SKIPS times come first in
+    arrival order whatever their priority, so neither a miss nor a low priority starves.
     """
+    aged = [r for r in waiting if r.num_skips >= AGE_GUARD_SKIPS]
+    rest = [r for r in waiting if r.num_skips < AGE_GUARD_SKIPS]
     if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
-        return list(waiting)
-    aged = [r for r in waiting if r.extra.get("skips", 0) >= AGE_GUARD_SKIPS]
-    rest = [r for r in waiting if r.extra.get("skips", 0) < AGE_GUARD_SKIPS]
-    rest.sort(key=lambda r: (-match_lens.get(r.rid, 0), r.arrival))
+        rest.sort(key=lambda r: r.priority)  # stable: arrival order within a priority
+    else:
+        rest.sort(key=lambda r: (r.priority, -match_lens.get(r.rid, 0), r.arrival))
     return aged + rest
 
 

@@ -18,6 +18,7 @@ class GenerateMsg:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str = ""
+    priority: int = 0  # lower = more important (vLLM's convention)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,3 @@
+"""The process boundary: the messages that cross it (messages.py) and the API process's handle
+on the engine process (client.py). Torch-free: the API process imports this, never the engine.
+"""
