@@ -42,9 +42,45 @@ json_values = st.recursive(
         st.text(max_size=8), inner, max_size=4), max_leaves=10)
 field_values = json_values | st.sampled_from(EDGE_VALUES)
 near_valid = st.dictionaries(st.sampled_from(FIELDS), field_values, max_size=6)
+
+
+def sampling_fields(edgy: bool) -> st.SearchStrategy[dict[str, Any]]:
+    """Typed sampling fields: in range, or (edgy) straddling and far past the limits."""
+    def num(lo: float, hi: float) -> st.SearchStrategy[Any]:
+        if not edgy:
+            return st.floats(lo, hi)
+        return st.floats(lo - 3, hi + 3) | st.sampled_from([1e308, -1e-300, 2**64, -(2**64)])
+
+    def integer(lo: int, hi: int) -> st.SearchStrategy[int]:
+        if not edgy:
+            return st.integers(lo, hi)
+        return st.integers(lo - 3, hi + 3) | st.sampled_from([2**31, 2**63, 10**30, -(10**30)])
+
+    fields = st.fixed_dictionaries({}, optional={
+        "max_tokens": integer(1, 8), "temperature": num(0, 2), "top_p": num(0.01, 1),
+        "min_p": num(0, 1), "presence_penalty": num(-2, 2), "frequency_penalty": num(-2, 2),
+        "repetition_penalty": num(0.01, 2), "top_k": integer(-1, 300), "n": integer(1, 3),
+        "stream": st.booleans(), "ignore_eos": st.booleans(),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+        "seed": integer(-(2**63), 2**63 - 1), "min_tokens": integer(0, 1),
+        "stop_token_ids": st.lists(integer(0, 250), max_size=3), "timeout": num(0.001, 30),
+        "priority": integer(-5, 5), "stream_options": st.just({"include_usage": True}),
+    })
+    if edgy:
+        return fields
+    return fields.map(lambda d: d if d.get("stream") else {
+        k: v for k, v in d.items() if k != "stream_options"})
+
+
 bodies = st.one_of(
     json_values,
     near_valid,
+    sampling_fields(edgy=True).map(lambda d: {"prompt": f"hi {SECRET}", **d}),
+    sampling_fields(edgy=True).map(lambda d: {"prompt": [[5, 6, 7], [300]], **d}),
+    sampling_fields(edgy=False).map(lambda d: {"prompt": f"hi {SECRET}", **d}),
+    sampling_fields(edgy=False).map(lambda d: {"prompt": [[5, 6, 7], [200, 3]], **d}),
+    sampling_fields(edgy=False).map(
+        lambda d: {"messages": [{"role": "user", "content": f"{SECRET} é🎉"}], **d}),
     near_valid.map(lambda d: {"prompt": f"hi {SECRET}", "max_tokens": 4, **d}),
     near_valid.map(lambda d: {"messages": [{"role": "user", "content": SECRET}], **d}),
     near_valid.map(lambda d: {"text": SECRET, **d}),
@@ -58,7 +94,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     keys.write_text(json.dumps({"keys": [{"name": "fuzzer", "key": KEY, "rpm": 100000,
                                           "tpm": 10000000}]}))
     args = ["--kv-cache-tokens", "4096", "--api-keys-file", str(keys), "--log-requests",
-            "--max-tokens-cap", "8", "--max-queue", "64", "--max-body-bytes", "65536",
+            "--max-tokens-cap", "16", "--max-queue", "64", "--max-body-bytes", "65536",
             "--request-timeout", "60"]
     with running_server(tiny_llama, tmp / "server.log", args, key=KEY) as proc:
         yield proc
@@ -83,9 +119,9 @@ def check_answer(status: int, payload: bytes) -> None:
         assert b'"server_error"' not in payload, payload[-500:]
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(route=st.sampled_from(ROUTES), body=bodies)
+@given(route=st.sampled_from(ROUTES[:3] * 4 + ROUTES[3:]), body=bodies)
 def test_generated_json_never_5xx(server: ServerProc, route: str, body: Any) -> None:
     conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
     try:
@@ -135,11 +171,17 @@ def test_zz_alive_idle_and_logs_redacted(server: ServerProc) -> None:
     conn.close()
     assert server.get("/health")[0] == 200
     server.wait_idle()
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
+    metrics = request(conn, "GET", "/metrics", None)[1].decode()
+    conn.close()
     assert server.stop() == 0
     log = server.output()
     assert "request POST /v1/completions key=fuzzer" in log  # --log-requests is on ...
     assert "'Tell me ...'" in log  # ... showing 8 characters of a prompt at most
     assert SECRET not in log and KEY not in log
+    admitted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith('radixserve:api_key_requests_total{key_name="fuzzer"}'))
+    assert admitted >= 20  # the generated input reached the engine, not only the validators
     for text in texts:
         if len(text) >= 12:  # long enough not to occur by chance
             assert text not in log
