@@ -30,6 +30,8 @@ _ENGINE_COUNTERS = {
     "num_aborted_requests": "Requests the engine aborted (client gone, cancelled).",
 }
 _ENGINE_GAUGES = {
+    "engine_integrity_ok": ("integrity_ok", "1 if the engine's last idle integrity check "
+                                            "(pages free + cached + held == total) passed."),
     "num_requests_running": ("num_running", "Requests in the running batch."),
     "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
     "kv_cache_free_tokens": ("kv_free_tokens", "KV slots on the free list."),
