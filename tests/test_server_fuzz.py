@@ -5,6 +5,7 @@ ends with no page held. Then its whole output is grepped: no prompt, completion 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server_proc import ServerProc, running_server
+from tests.soak import SoakReport, soak
 
 pytestmark = pytest.mark.slow
 
@@ -152,6 +154,27 @@ def test_raw_bytes_and_bad_keys_never_5xx(server: ServerProc, route: str, raw: b
             assert status == 401
     finally:
         conn.close()
+
+
+def check_soak(server: ServerProc, report: SoakReport) -> None:
+    """What every soak run must end with: only expected outcomes, every kind exercised, no
+    page held, the engine's own integrity check passing, and memory flat after warm-up."""
+    print(report.line())
+    assert report.unexpected == {}, report.line()
+    for kind in ("ok_stream", "ok_json", "rejected_4xx"):
+        assert report.outcomes[kind] > 0, report.line()
+    stats = server.wait_idle()
+    assert stats["kv_held_tokens"] == 0
+    assert stats.get("integrity_ok") is True, stats
+    for name, start in report.rss_start.items():
+        assert report.rss_end[name] <= start * 1.25 + 64, report.line()
+
+
+def test_soak_short(server: ServerProc) -> None:
+    """The always-run length of the soak (tests/test_soak.py runs it for minutes)."""
+    pids = {"api": server.proc.pid, "engine": server.info()["engine_pid"]}
+    report = asyncio.run(soak(server.url, KEY, pids, duration_s=8.0, concurrency=6))
+    check_soak(server, report)
 
 
 def test_zz_alive_idle_and_logs_redacted(server: ServerProc) -> None:
