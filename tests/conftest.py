@@ -16,7 +16,6 @@ import pytest  # noqa: E402
 
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
-
 SOAK_ENV = "RADIXSERVE_SOAK_S"  # seconds of the opt-in soak/chaos runs
 
 
