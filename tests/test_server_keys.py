@@ -66,6 +66,16 @@ def test_toml_and_json_files_parse_the_same(tmp_path: Path) -> None:
     assert load_keys_file(js)[0] == entries[0]
 
 
+def test_readme_keys_file_example_is_valid(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "keys.toml"
+    path.write_text(block)
+    entries = load_keys_file(path)
+    assert [e.name for e in entries] == ["alice", "batch"]
+    assert entries[0].limits == KeyLimits(60, 40000, 4, 512, 4096)
+
+
 @pytest.mark.parametrize("keys, needle", [
     ([{"name": "a", "key": "k", "rpm": 0}], "'rpm' must be an integer >= 1"),
     ([{"name": "a", "key": "k", "rpm": "60"}], "'rpm' must be an integer >= 1"),
