@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,12 +92,19 @@ bodies = st.one_of(
 )
 
 
+FUZZER = {"name": "fuzzer", "key": KEY, "rpm": 100000, "tpm": 10000000}
+
+
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    tmp = tmp_path_factory.mktemp("fuzz")
-    keys = tmp / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"name": "fuzzer", "key": KEY, "rpm": 100000,
-                                          "tpm": 10000000}]}))
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fuzz") / "keys.json"
+    path.write_text(json.dumps({"keys": [FUZZER]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, keys: Path) -> Iterator[ServerProc]:
+    tmp = keys.parent
     args = ["--kv-cache-tokens", "4096", "--api-keys-file", str(keys), "--log-requests",
             "--max-tokens-cap", "16", "--max-queue", "64", "--max-body-bytes", "65536",
             "--request-timeout", "60"]
@@ -177,6 +187,38 @@ def test_soak_short(server: ServerProc) -> None:
     check_soak(server, report)
 
 
+def test_sighup_reloads_the_keys_file(server: ServerProc, keys: Path) -> None:
+    keys.write_text(json.dumps({"keys": [FUZZER, {"name": "second", "key": "sk-second-1"}]}))
+    other = ServerProc(server.url, server.proc, server.log, "sk-second-1")
+    assert other.get("/v1/models")[0] == 401
+    server.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while other.get("/v1/models")[0] != 200:
+        assert time.monotonic() < deadline, "keys not reloaded"
+        time.sleep(0.05)
+    assert server.get("/v1/models")[0] == 200
+    assert "API keys reloaded: 2 keys (fuzzer, second)" in server.output()
+
+
+def stream_in_thread(server: ServerProc, started: threading.Event,
+                     out: list[str]) -> threading.Thread:
+    def run() -> None:
+        conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
+        body = {"prompt": "Drain me", "max_tokens": 16, "n": 4, "ignore_eos": True,
+                "stream": True}
+        conn.request("POST", "/v1/completions", body=orjson.dumps(body),
+                     headers={"Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        first = resp.readline()
+        started.set()
+        out.append((first + resp.read()).decode())
+        conn.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 def test_zz_alive_idle_and_logs_redacted(server: ServerProc) -> None:
     """Runs last in this module: it stops the server to read its whole output."""
     conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
@@ -197,8 +239,21 @@ def test_zz_alive_idle_and_logs_redacted(server: ServerProc) -> None:
     conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=120)
     metrics = request(conn, "GET", "/metrics", None)[1].decode()
     conn.close()
-    assert server.stop() == 0
+    # Drain: SIGTERM while streams run; they finish whole, then the process exits 0.
+    events = [threading.Event() for _ in range(6)]
+    outs: list[str] = []
+    threads = [stream_in_thread(server, e, outs) for e in events]
+    for e in events:
+        assert e.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert server.proc.wait(120) == 0
+    assert len(outs) == 6 and all(o.endswith("data: [DONE]\n\n") for o in outs)
+    assert all(o.count('"finish_reason":"length"') == 4 for o in outs)
     log = server.output()
+    assert "stop signal: draining" in log and "requests in flight, waiting" in log
+    assert "requests still in flight are cut off" not in log
     assert "request POST /v1/completions key=fuzzer" in log  # --log-requests is on ...
     assert "'Tell me ...'" in log  # ... showing 8 characters of a prompt at most
     assert SECRET not in log and KEY not in log

@@ -14,7 +14,9 @@ import pytest
 from aiohttp import web
 
 from radixserve.config import ConfigError
+from radixserve.server.auth import ApiKeys
 from radixserve.server.keys import KeyLimits, load_keys_file, parse_keys
+from radixserve.server.metrics import ServerMetrics
 from radixserve.server.ratelimit import RateLimiter, format_duration
 from radixserve.server.state import STATE_KEY
 from tests.test_server import GREEDY, TOKENIZER, call, serve
@@ -233,3 +235,14 @@ async def test_reload_swaps_keys_without_dropping_requests(model_dir: Path,
             tc.app[STATE_KEY].auth.reload()
         assert (await call(tc, "/v1/models", method="GET", key=BOB))[0] == 200  # kept
         await asyncio.sleep(0)
+
+
+def test_tenant_metrics_are_labelled_by_key_name(tmp_path: Path) -> None:
+    path = write_keys(tmp_path / "keys.json", [{"name": "alice", "key": ALICE}])
+    auth = ApiKeys((), keys_file=str(path))
+    caller = auth.authenticate(f"Bearer {ALICE}")
+    stats = {"tenant_cached_tokens": {caller.cache_salt: 10, "0123456789abcdef": 3}}
+    text = ServerMetrics(lambda: stats, auth.salt_name).render().decode()
+    assert 'radixserve:tenant_cached_tokens{tenant="alice"} 10.0' in text
+    assert 'radixserve:tenant_cached_tokens{tenant="0123456789ab"} 3.0' in text  # unseen key
+    assert ALICE not in text

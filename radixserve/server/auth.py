@@ -48,6 +48,9 @@ class ApiKeys:
         self._keys_file = None if keys_file is None else Path(keys_file)
         self._shared_cache = shared_cache
         self._entries: tuple[KeyEntry, ...] = ()
+        # Cache salt -> key name, learnt as keys are used (at most one per key ever loaded):
+        # lets /metrics name a tenant's cache by its key's name.
+        self._salt_names: dict[str, str] = {}
         self.reload()
 
     def reload(self) -> list[str]:
@@ -90,4 +93,10 @@ class ApiKeys:
             raise APIError(401, "invalid API key", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
         salt = "" if self._shared_cache else cache_salt_for_api_key(token)
+        if salt:
+            self._salt_names[salt] = found.name
         return Caller(found.name, found.limits, salt)
+
+    def salt_name(self, salt: str) -> str:
+        """The name of the key a cache salt belongs to (for metric labels)."""
+        return self._salt_names.get(salt) or salt[:12] or "shared"

@@ -71,7 +71,7 @@ class ServerState:
         self.cfg = cfg
         self.client = client
         self.auth = ApiKeys(cfg.api_keys, cfg.shared_cache, cfg.api_keys_file)
-        self.metrics = ServerMetrics(lambda: self.client.stats)
+        self.metrics = ServerMetrics(lambda: self.client.stats, self.auth.salt_name)
         self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue,
                                    on_refused=self._count_refused)
         self.draining = False  # SIGTERM: new requests get 503, in-flight ones finish
