@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, type=typ, default=None, dest=field, help=text)
     serve.add_argument("--api-key", action="append", default=None, dest="api_keys",
                        help=f"accepted Bearer key (repeatable; also ${API_KEY_ENV})")
+    serve.add_argument("--admin-key", default=None, dest="admin_key",
+                       help="Bearer key for admin routes (/cache/pin, /cache/pins)")
+    serve.add_argument("--max-pinned-tokens", type=int, default=None, dest="max_pinned_tokens",
+                       help="most tokens pins may lock (default: a quarter of the KV pool)")
     serve.add_argument("--disable-radix-cache", action="store_true", default=None,
                        help="no prefix caching")
     serve.add_argument("--enable-kv-events", action="store_true", default=None,
@@ -93,7 +97,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     def given(names: list[str]) -> dict[str, Any]:
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
-    engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + ["disable_radix_cache", "enable_kv_events"]
+    engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
+        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens"]
     engine_kwargs = given(engine_names)
     if args.model is not None:
         engine_kwargs["model"] = args.model
@@ -101,7 +106,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     if environ.get(API_KEY_ENV):
         keys.append(environ[API_KEY_ENV])
     server_kwargs = given([f for _, _, f, _ in _SERVER_FLAGS]
-                          + ["shared_cache", "log_requests", "restart_engine"])
+                          + ["shared_cache", "admin_key", "log_requests", "restart_engine"])
     return ServerConfig(api_keys=tuple(dict.fromkeys(keys)), engine=EngineConfig(**engine_kwargs),
                         **server_kwargs)
 

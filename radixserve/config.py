@@ -39,6 +39,9 @@ class EngineConfig:
     # Fraction of the KV pool a tenant (API key) may keep cached before eviction takes from it
     # first; None: no quotas.
     tenant_cache_quota: float | None = None
+    # Pinned prefixes (POST /cache/pin) may lock at most this many tokens; None: a quarter of
+    # the KV pool, so pins can never starve serving.
+    max_pinned_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -69,6 +72,8 @@ class EngineConfig:
         if self.tenant_cache_quota is not None and not 0 < self.tenant_cache_quota <= 1:
             raise ConfigError(
                 f"tenant_cache_quota must be in (0, 1], got {self.tenant_cache_quota}")
+        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
+            raise ConfigError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
 
@@ -78,6 +83,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None  # for admin routes (/cache/pin...) when keys are configured
     shared_cache: bool = False  # False: the prefix cache is namespaced per API key
     served_model_name: str | None = None
     max_tokens_cap: int | None = None

@@ -10,22 +10,38 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 
-from router.config import ConfigError, PolicyName, RouterConfig, normalize_worker_url
+from router.canary import parse_worker_flags
+from router.config import ConfigError, PolicyName, RouterConfig
 
 log = logging.getLogger("router")
 ADMIN_KEY_ENV = "RADIXSERVE_ROUTER_ADMIN_KEY"
 REPLICA_KEY_ENV = "RADIXSERVE_REPLICA_API_KEY"
 
 
+class _InOrder(argparse.Action):
+    """--worker and --weight into one list of (flag, value) in command-line order: a
+    --weight applies to the --worker before it (canary.parse_worker_flags)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        flag = "--worker" if option_string == "--worker" else "--weight"
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), (flag, values)])
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig()
     p = argparse.ArgumentParser(prog="radixserve-router",
                                 description="Prefix-aware router in front of radixserve replicas.")
-    p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="a replica, e.g. http://127.0.0.1:30001 (repeatable)")
+    p.add_argument("--worker", action=_InOrder, dest="worker_flags", metavar="URL",
+                   help="a replica, e.g. http://127.0.0.1:30001 (repeatable); "
+                   "URL@GROUP:PERCENT puts it in a canary group with that share of sessions")
+    p.add_argument("--weight", action=_InOrder, dest="worker_flags", metavar="SHARE",
+                   help="after a --worker: its group's share of sessions in [0, 1] (a worker "
+                   "without @GROUP goes to the 'canary' group)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--policy", choices=[x.value for x in PolicyName], default=d.policy.value)
@@ -60,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Raises ConfigError for any invalid setting."""
+    setup = parse_worker_flags(args.worker_flags or ())
     return RouterConfig(
-        workers=tuple(normalize_worker_url(u) for u in args.worker),
+        workers=setup.workers, worker_groups=setup.worker_groups,
+        group_weights=setup.group_weights,
         host=args.host, port=args.port, policy=PolicyName(args.policy),
         admin_key=args.admin_key, replica_api_key=args.replica_api_key,
         precise_max_blocks=args.precise_max_blocks, kv_events=args.kv_events,
@@ -92,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     log.info("routing %d worker(s) with %s%s on http://%s:%d", len(cfg.workers),
              cfg.policy.value, " + kv events" if cfg.kv_events else "", cfg.host, cfg.port)
+    if cfg.group_weights:
+        log.info("canary groups (share of sessions): %s; the rest to stable",
+                 ", ".join(f"{g} {w:.2%}" for g, w in cfg.group_weights))
     web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True,
                 print=None)
 

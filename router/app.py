@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from router.canary import SplitUpdateError
 from router.config import ConfigError, RouterConfig, normalize_worker_url
 from router.metrics import make_registry
 from router.proxy import error_response, no_worker_response, proxy
@@ -95,8 +96,53 @@ async def list_workers(request: web.Request) -> web.Response:
         row["index_entries"] = router.index.num_entries(w.url)
         if router.precise is not None:
             row["kv_events_live"] = router.precise.is_live(w.url)
+        row["group"] = router.split.group_of(w.url)
         rows.append(row)
-    return _json({"workers": rows})
+    return _json({"workers": rows, "groups": _groups(request)})
+
+
+def _groups(request: web.Request) -> dict[str, dict[str, object]]:
+    router = request.app[ROUTER_KEY]
+    return {v.name: {"weight": round(v.share, 6), "workers": v.workers, "routed": v.routed,
+                     "errors": v.errors, "fallbacks": v.fallbacks}
+            for v in router.split.views(router.pool.all())}
+
+
+async def _body(request: web.Request) -> dict[str, object]:
+    """The JSON object body ({} if none); readable again after _url_from (read() caches)."""
+    if not request.body_exists:
+        return {}
+    with contextlib.suppress(orjson.JSONDecodeError):
+        body = orjson.loads(await request.read())
+        if isinstance(body, dict):
+            return body
+    return {}
+
+
+async def update_workers(request: web.Request) -> web.Response:
+    """PUT /workers {"url"?, "group"?, "weight"?}: move a worker and/or set a group's share."""
+    router = request.app[ROUTER_KEY]
+    body = await _body(request)
+    worker = None
+    raw = request.query.get("url", body.get("url"))
+    if raw is not None:
+        try:
+            url = normalize_worker_url(raw if isinstance(raw, str) else "")
+        except ConfigError as e:
+            return error_response(400, str(e), "invalid_request_error", param="url")
+        worker = router.pool.get(url)
+        if worker is None:
+            return error_response(404, f"worker {url} is not registered",
+                                  "invalid_request_error", param="url")
+    group = body.get("group")
+    if group is not None and not isinstance(group, str):
+        return error_response(400, "group must be a string", "invalid_request_error",
+                              param="group")
+    try:
+        router.split.update(worker, group, body.get("weight"))
+    except SplitUpdateError as e:
+        return error_response(400, str(e), "invalid_request_error", param=e.param)
+    return _json({"groups": _groups(request)})
 
 
 async def _url_from(request: web.Request) -> str | web.Response:
@@ -118,12 +164,24 @@ async def add_worker(request: web.Request) -> web.Response:
     url = await _url_from(request)
     if isinstance(url, web.Response):
         return url
+    router = request.app[ROUTER_KEY]
+    body = await _body(request)
+    group, weight = body.get("group"), body.get("weight")
+    if group is not None and not isinstance(group, str):
+        return error_response(400, "group must be a string", "invalid_request_error",
+                              param="group")
     try:
-        worker = request.app[ROUTER_KEY].add_worker(url)
+        worker = router.add_worker(url)
     except WorkerExistsError:
         return error_response(409, f"worker {url} is already registered",
                               "invalid_request_error", param="url")
-    return _json(worker.to_json(), status=201)
+    if group is not None or weight is not None:
+        try:
+            router.split.update(worker, group, weight)
+        except SplitUpdateError as e:
+            await router.remove_worker(url)  # all or nothing
+            return error_response(400, str(e), "invalid_request_error", param=e.param)
+    return _json({**worker.to_json(), "group": router.split.group_of(url)}, status=201)
 
 
 async def remove_worker(request: web.Request) -> web.Response:
@@ -200,5 +258,6 @@ def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None) -> web.A
     app.router.add_get("/workers", _admin(list_workers))
     app.router.add_post("/workers", _admin(add_worker))
     app.router.add_delete("/workers", _admin(remove_worker))
+    app.router.add_put("/workers", _admin(update_workers))
     app.router.add_post("/flush_cache", _admin(flush_cache))
     return app

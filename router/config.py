@@ -7,12 +7,41 @@ aiohttp.
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names it and what is allowed."""
+
+
+# Canary groups (canary.py): workers outside any named group form the stable group, which
+# gets the share of sessions the named groups leave.
+STABLE_GROUP = "stable"
+_GROUP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+
+
+def check_group_name(name: str, flag: str) -> None:
+    """Raises ConfigError unless `name` is a usable group name (a metric label value)."""
+    if not isinstance(name, str) or not _GROUP_NAME.fullmatch(name):
+        raise ConfigError(f"{flag}: a group name is a letter then up to 63 letters, digits, "
+                          f"'_', '.' or '-', got {name!r}")
+
+
+def check_share(share: object, flag: str) -> float:
+    """`share` as a float in [0, 1]; raises ConfigError naming `flag` otherwise."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) \
+            or not math.isfinite(share) or not 0.0 <= share <= 1.0:
+        raise ConfigError(f"{flag} must be a number in [0, 1], got {share!r}")
+    return float(share)
+
+
+def check_total_share(weights: dict[str, float], flag: str) -> None:
+    total = sum(weights.values())
+    if total > 1.0 + 1e-9:
+        raise ConfigError(f"{flag}: the groups' shares add up to {total:g} > 1 ({weights})")
 
 
 class PolicyName(str, enum.Enum):
@@ -73,6 +102,33 @@ class RouterConfig:
     retry_backoff_factor: float = 1.5
     connect_timeout_s: float = 5.0
     seed: int = 0  # the random policy's generator
+    # Canary (canary.py): (url, group) for each worker outside the stable group, and
+    # (group, share of new sessions in [0, 1]) for each such group; stable gets the rest.
+    worker_groups: tuple[tuple[str, str], ...] = ()
+    group_weights: tuple[tuple[str, float], ...] = ()
+
+    def _check_groups(self) -> None:
+        grouped = dict(self.worker_groups)
+        weights = dict(self.group_weights)
+        if len(grouped) != len(self.worker_groups) or len(weights) != len(self.group_weights):
+            raise ConfigError("--worker: a worker is in one group, a group has one weight")
+        for url, group in grouped.items():
+            if url not in self.workers:
+                raise ConfigError(f"--worker: {url!r} has a group but is not a worker")
+            check_group_name(group, "--worker URL@GROUP")
+        for group, share in weights.items():
+            check_group_name(group, "--worker URL@GROUP")
+            check_share(share, "--weight")
+            if group not in grouped.values():
+                raise ConfigError(f"--weight: group {group!r} has a weight but no worker")
+        if STABLE_GROUP in grouped.values() or STABLE_GROUP in weights:
+            raise ConfigError(f"--weight: the {STABLE_GROUP!r} group takes the share the "
+                              "other groups leave; it has no weight of its own")
+        for group in grouped.values():
+            if group not in weights:
+                raise ConfigError(f"--weight: group {group!r} has no weight (--worker URL "
+                                  f"--weight SHARE, or --worker URL@{group}:PERCENT)")
+        check_total_share(weights, "--weight")
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, PolicyName):
@@ -83,6 +139,7 @@ class RouterConfig:
                 raise ConfigError(f"worker URL {url!r} is not normalized (normalize_worker_url)")
         if len(set(self.workers)) != len(self.workers):
             raise ConfigError(f"duplicate worker URLs in {list(self.workers)}")
+        self._check_groups()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:

@@ -52,6 +52,29 @@ class RouterCollector(Collector):
         yield from (routed, errors, in_flight, healthy, hit_rate, entries)
         if precise is not None:
             yield kv_live
+        yield from self._groups()
+
+    def _groups(self) -> Iterator[Metric]:
+        """Canary groups (canary.py): every group, the stable one included."""
+        labels = ["group"]
+        routed = CounterMetricFamily(PREFIX + "group_requests_routed", "Requests sent to a "
+                                     "worker of the group (each retry counts)", labels=labels)
+        errors = CounterMetricFamily(PREFIX + "group_worker_errors", "worker_errors of the "
+                                     "group's workers while in it", labels=labels)
+        fallbacks = CounterMetricFamily(PREFIX + "group_fallbacks", "Requests of sessions "
+                                        "assigned to the group that another group served "
+                                        "(none of its workers routable)", labels=labels)
+        weight = GaugeMetricFamily(PREFIX + "group_weight", "Share of sessions assigned to "
+                                   "the group", labels=labels)
+        workers = GaugeMetricFamily(PREFIX + "group_workers", "Workers in the group",
+                                    labels=labels)
+        for v in self.router.split.views(self.router.pool.all()):
+            routed.add_metric([v.name], v.routed)
+            errors.add_metric([v.name], v.errors)
+            fallbacks.add_metric([v.name], v.fallbacks)
+            weight.add_metric([v.name], v.share)
+            workers.add_metric([v.name], len(v.workers))
+        yield from (routed, errors, fallbacks, weight, workers)
 
 
 def make_registry(router: Router) -> CollectorRegistry:

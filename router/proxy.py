@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.canary import SESSION_HEADER
 from router.route_key import RequestKind
 from router.routing import Router
 from router.workers import Worker
@@ -139,7 +140,8 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
         except orjson.JSONDecodeError:
             parsed = None  # routed anyway; the replica answers the 400
     key = await router.route_key(kind or RequestKind.GENERATE, parsed,
-                                 request.headers.get("Authorization"))
+                                 request.headers.get("Authorization"),
+                                 request.headers.get(SESSION_HEADER))
     tried: set[str] = set()
     fallback: web.Response | None = None
     for attempt in range(cfg.max_retries + 1):

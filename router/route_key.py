@@ -50,6 +50,8 @@ class RouteKey(NamedTuple):
     # Precise mode: the replica-side chains, one per candidate salt, all the same length;
     # empty when the prompt was not tokenized (no tokenizer, or not in precise mode).
     token_chains: tuple[tuple[int, ...], ...] = ()
+    # Canary groups: the session's point in [0, 1) (canary.py); None: any group may serve.
+    split_point: float | None = None
 
 
 class PromptEncoder(Protocol):

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
+from router.canary import TrafficSplit, session_key, split_point
 from router.config import RouterConfig
 from router.kv_index import PreciseIndex, follow_kv_events
 from router.policy import Candidate, ChoiceReason, Policy, make_policy
@@ -53,6 +54,7 @@ class Router:
                                      max_blocks=cfg.precise_max_blocks)
                         if cfg.kv_events else None)
         self.encoder = encoder
+        self.split = TrafficSplit(cfg.workers, cfg.worker_groups, cfg.group_weights)
         self._session: aiohttp.ClientSession | None = None
         self._followers: dict[str, asyncio.Task[None]] = {}
         if self.precise is not None:
@@ -61,7 +63,18 @@ class Router:
 
     # --- keys and choices ----------------------------------------------------------------
 
-    async def route_key(self, kind: RequestKind, body: Any, authorization: str | None) -> RouteKey:
+    async def route_key(self, kind: RequestKind, body: Any, authorization: str | None,
+                        session_id: str | None = None) -> RouteKey:
+        """The prefix key, plus (canary groups configured) the session's split point."""
+        key = await self._prefix_key(kind, body, authorization)
+        if not self.split.active:
+            return key
+        skey = session_key(session_id, body, authorization, extract_prompt(kind, body),
+                           self.cfg.block_chars, self.cfg.kv_block_size)
+        return key._replace(split_point=None if skey is None else split_point(skey))
+
+    async def _prefix_key(self, kind: RequestKind, body: Any, authorization: str | None
+                          ) -> RouteKey:
         if not self.policy.uses_prefix:
             return RouteKey(())
         prompt = extract_prompt(kind, body)
@@ -89,7 +102,7 @@ class Router:
 
     def choose(self, key: RouteKey, exclude: frozenset[str] = frozenset()) -> Decision | None:
         """The worker for `key` among routable ones not in `exclude`; None if there is none."""
-        workers = self.pool.routable(exclude)
+        workers = self.split.narrow(self.pool.routable(exclude), key.split_point)
         if not workers:
             return None
         if not self.policy.uses_prefix:
@@ -115,6 +128,7 @@ class Router:
         """The chosen worker now holds (or soon will) the request's blocks."""
         w = decision.worker
         w.num_routed += 1
+        self.split.note_routed(key.split_point, w)
         w.prefix_query_blocks += decision.total_blocks
         w.prefix_hit_blocks += decision.matched_blocks
         if w.url not in self.pool:
@@ -130,6 +144,7 @@ class Router:
     def add_worker(self, url: str) -> Worker:
         """Raises WorkerExistsError. Starts following its KV events in precise mode."""
         worker = self.pool.add(url)
+        self.split.add(worker)
         if self.precise is not None:
             self.precise.add_worker(url)
             self._follow(url)
@@ -138,6 +153,7 @@ class Router:
     async def remove_worker(self, url: str) -> Worker:
         """Raises UnknownWorkerError. Drops its index entries and stops its KV follower."""
         worker = self.pool.remove(url)
+        self.split.remove(worker)
         self.index.drop_worker(url)
         if self.precise is not None:
             self.precise.drop_worker(url)

@@ -36,8 +36,11 @@ def test_multibyte_never_split(text: str) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.text(st.characters(exclude_characters="\ufffd"), max_size=40),
-       st.text(max_size=8))
+# Lone surrogates (category Cs) are not text a client can send: JSON bodies are UTF-8, and
+# orjson rejects a lone surrogate escape, so the tokenizer never sees one.
+@given(st.text(st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)),
+               max_size=40),
+       st.text(st.characters(exclude_categories=("Cs",)), max_size=8))
 def test_stream_equals_one_shot_decode(text: str, prompt: str) -> None:
     ids = BYTE_TOK.encode(text, add_special_tokens=False)
     prompt_ids = BYTE_TOK.encode(prompt, add_special_tokens=False)

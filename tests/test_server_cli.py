@@ -65,3 +65,13 @@ def test_no_hidden_engine_factory_flag() -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", "--engine-factory", "os:system"])
     assert exc.value.code == 2
+
+
+def test_cache_control_flags() -> None:
+    cfg = config(["--eviction-policy", "slru", "--tenant-cache-quota", "0.25",
+                  "--max-pinned-tokens", "4096", "--admin-key", "root", "--api-key", "k"])
+    e = cfg.engine
+    assert (e.eviction_policy, e.tenant_cache_quota, e.max_pinned_tokens) == ("slru", 0.25, 4096)
+    assert cfg.admin_key == "root" and cfg.api_keys == ("k",)
+    assert main(["serve", "--eviction-policy", "lfu"]) == 2
+    assert main(["serve", "--tenant-cache-quota", "1.5"]) == 2

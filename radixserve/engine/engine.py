@@ -8,6 +8,7 @@ offline API, tokenizes around it).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from radixserve.cache.page_allocator import PageAllocator
@@ -15,9 +16,16 @@ from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.ipc.messages import GenerateMsg
+from radixserve.ipc.messages import (
+    CacheCallMsg,
+    CallResultMsg,
+    GenerateMsg,
+    ListPinsMsg,
+    PinMsg,
+    UnpinMsg,
+)
 from radixserve.sched.scheduler import Scheduler
-from radixserve.types import TokenOutput
+from radixserve.types import InvalidRequestError, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, ReqTable(pool.slot_table),
                                    self.runner.max_model_len, self.runner.spec.vocab_size,
                                    self.runner.eos_token_ids)
+        self._replies: list[CallResultMsg] = []
+        self._pin_prefills: dict[str, PinMsg] = {}  # rid of the prefill request -> the call
 
     @property
     def info(self) -> dict[str, Any]:
@@ -68,12 +78,79 @@ class Engine:
     def step(self) -> list[TokenOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
-            return self.scheduler.drain_aborted()
-        result = self.runner.run(batch)
-        return self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
+            outputs = self.scheduler.drain_aborted()
+        else:
+            result = self.runner.run(batch)
+            outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
+        if self._pin_prefills:
+            outputs = [o for o in outputs if not self._pin_prefill_done(o)]
+        return outputs
 
-    def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+    def flush_cache(self, include_pins: bool = False) -> bool:
+        return self.scheduler.flush_cache(include_pins)
+
+    # ---- pinned prefixes (the calls of /cache/pin) ----------------------------------------
+
+    def call(self, msg: CacheCallMsg) -> None:
+        """Answer a pin call now, or (a pin whose prefix must be computed first) after its
+        prefill request finishes; replies are collected by drain_replies()."""
+        pins = self.scheduler.pins
+        try:
+            if isinstance(msg, PinMsg):
+                self._pin(msg)
+            elif isinstance(msg, UnpinMsg):
+                n = (pins.release(msg.pin_id) if msg.pin_id is not None
+                     else pins.release_matching(msg.token_ids or [], msg.salt))
+                self._replies.append(CallResultMsg(msg.call_id, {"released": int(n)}))
+            elif isinstance(msg, ListPinsMsg):
+                pins.expire()
+                now = time.monotonic()
+                listed = [p.describe(now) for p in pins.pins.values()]
+                self._replies.append(CallResultMsg(msg.call_id, {
+                    "pins": listed, "pinned_tokens": pins.pinned_tokens,
+                    "max_pinned_tokens": pins.max_pinned_tokens}))
+        except InvalidRequestError as err:
+            self._replies.append(CallResultMsg(msg.call_id, error=str(err), status=err.status))
+
+    def drain_replies(self) -> list[CallResultMsg]:
+        replies, self._replies = self._replies, []
+        return replies
+
+    def _pin(self, msg: PinMsg) -> None:
+        if self.cfg.disable_radix_cache:
+            raise InvalidRequestError("the radix cache is disabled: nothing can be pinned")
+        pins = self.scheduler.pins
+        pins.check_room(len(msg.token_ids))
+        pin = pins.try_pin(msg.token_ids, msg.salt, msg.ttl_s)
+        if pin is not None:
+            self._replies.append(CallResultMsg(msg.call_id, self._pin_result(pin, 0)))
+            return
+        # Not all cached yet: compute it as a one-token request, pin when it finishes.
+        rid = f"pin-{msg.call_id}"
+        self.scheduler.add(rid, list(msg.token_ids), SamplingParams(
+            temperature=0, max_tokens=1, ignore_eos=True), msg.salt, priority=-1)
+        self._pin_prefills[rid] = msg
+
+    def _pin_prefill_done(self, out: TokenOutput) -> bool:
+        """True when `out` belongs to a pin's prefill request (never sent to a client)."""
+        msg = self._pin_prefills.get(out.rid)
+        if msg is None:
+            return False
+        if out.finish_reason is not None:
+            del self._pin_prefills[out.rid]
+            pin = self.scheduler.pins.try_pin(msg.token_ids, msg.salt, msg.ttl_s)
+            if pin is None:
+                self._replies.append(CallResultMsg(
+                    msg.call_id, error="the prefix could not be cached (aborted)", status=503))
+            else:
+                computed = len(pin.token_ids) - out.num_cached_tokens
+                self._replies.append(CallResultMsg(msg.call_id, self._pin_result(pin, computed)))
+        return True
+
+    @staticmethod
+    def _pin_result(pin: Any, computed: int) -> dict[str, Any]:
+        return {"pin_id": pin.pin_id, "num_tokens": len(pin.token_ids),
+                "prefilled_tokens": computed}
 
     def drain_cache_events(self) -> list[CacheEvent]:
         events, self._events[:] = list(self._events), []

@@ -24,15 +24,20 @@ from typing import Any, Protocol
 from radixserve.config import EngineConfig
 from radixserve.ipc.messages import (
     AbortMsg,
+    CacheCallMsg,
     CacheEventsMsg,
+    CallResultMsg,
     EngineErrorMsg,
     EngineReadyMsg,
     EngineStatsMsg,
     FlushCacheMsg,
     FlushCacheResultMsg,
     GenerateMsg,
+    ListPinsMsg,
+    PinMsg,
     ShutdownMsg,
     TokenBatchMsg,
+    UnpinMsg,
 )
 from radixserve.types import InvalidRequestError, TokenOutput
 
@@ -51,7 +56,9 @@ class EngineLike(Protocol):
     def abort(self, rid: str) -> None: ...
     def step(self) -> list[TokenOutput]: ...
     def has_work(self) -> bool: ...
-    def flush_cache(self) -> bool: ...
+    def flush_cache(self, include_pins: bool = False) -> bool: ...
+    def call(self, msg: CacheCallMsg) -> None: ...
+    def drain_replies(self) -> list[CallResultMsg]: ...
     def stats(self) -> dict[str, Any]: ...
     def check_integrity(self) -> None: ...
     def drain_cache_events(self) -> list[Any]: ...
@@ -79,7 +86,11 @@ class EngineLoop:
         elif isinstance(msg, AbortMsg):
             self.engine.abort(msg.rid)
         elif isinstance(msg, FlushCacheMsg):
-            self._send(FlushCacheResultMsg(self.engine.flush_cache()))
+            self._send(FlushCacheResultMsg(self.engine.flush_cache(msg.include_pins)))
+            self.send_stats(force=True)
+        elif isinstance(msg, (PinMsg, UnpinMsg, ListPinsMsg)):
+            self.engine.call(msg)
+            self._send_replies()
             self.send_stats(force=True)
         elif isinstance(msg, ShutdownMsg):
             return False
@@ -87,10 +98,15 @@ class EngineLoop:
             raise TypeError(f"unexpected message {type(msg).__name__}")
         return True
 
+    def _send_replies(self) -> None:
+        for reply in self.engine.drain_replies():
+            self._send(reply)
+
     def step(self) -> None:
         outputs = self.engine.step()
         if outputs:
             self._send(TokenBatchMsg(outputs))
+        self._send_replies()
         events = self.engine.drain_cache_events()
         if events:
             self._send(CacheEventsMsg(events))

@@ -19,7 +19,9 @@ from typing import Any
 from radixserve.config import EngineConfig
 from radixserve.ipc.messages import (
     AbortMsg,
+    CacheCallMsg,
     CacheEventsMsg,
+    CallResultMsg,
     EngineErrorMsg,
     EngineReadyMsg,
     EngineStatsMsg,
@@ -68,6 +70,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._flush_waiters: list[asyncio.Future[bool]] = []
+        self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
 
     @classmethod
     def spawn(cls, cfg: EngineConfig, factory: EngineFactory | None = None) -> EngineClient:
@@ -137,6 +140,15 @@ class EngineClient:
                 sink(msg.events)
         elif isinstance(msg, EngineErrorMsg):
             self._on_error(msg)
+        elif isinstance(msg, CallResultMsg):
+            call = self._calls.get(msg.call_id)
+            if call is not None and not call.done():
+                if msg.error is None:
+                    call.set_result(msg.result or {})
+                elif msg.status < 500:
+                    call.set_exception(InvalidRequestError(msg.error, status=msg.status))
+                else:
+                    call.set_exception(EngineFailedError(msg.error))
         elif isinstance(msg, FlushCacheResultMsg):
             if self._flush_waiters:
                 fut = self._flush_waiters.pop(0)
@@ -182,6 +194,9 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(EngineUnavailableError(reason))
         self._flush_waiters.clear()
+        for call in self._calls.values():
+            if not call.done():
+                call.set_exception(EngineUnavailableError(reason))
         if self._died is not None and not self._died.done():
             self._died.set_result(reason)
 
@@ -216,14 +231,28 @@ class EngineClient:
             if not finished and self.state is EngineState.READY:
                 self._transport.send(AbortMsg(msg.rid))
 
-    async def flush_cache(self) -> bool:
-        """Drop every cached prefix. False when requests are running (nothing flushed)."""
+    async def flush_cache(self, include_pins: bool = False) -> bool:
+        """Drop every cached prefix but pinned ones (all, with include_pins). False when
+        requests are running (nothing flushed)."""
         self._check_ready()
         assert self._loop is not None
         fut: asyncio.Future[bool] = self._loop.create_future()
         self._flush_waiters.append(fut)
-        self._transport.send(FlushCacheMsg())
+        self._transport.send(FlushCacheMsg(include_pins))
         return await fut
+
+    async def call(self, msg: CacheCallMsg) -> dict[str, Any]:
+        """A pin call's result. Raises InvalidRequestError (4xx from the engine),
+        EngineFailedError (5xx) or EngineUnavailableError (not ready / died meanwhile)."""
+        self._check_ready()
+        assert self._loop is not None and msg.call_id not in self._calls
+        fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        self._calls[msg.call_id] = fut
+        self._transport.send(msg)
+        try:
+            return await fut
+        finally:
+            self._calls.pop(msg.call_id, None)
 
     def is_alive(self) -> bool:
         return self.state is EngineState.READY and self._transport.is_alive()
@@ -237,4 +266,7 @@ class EngineClient:
             q.put_nowait(EngineUnavailableError("the server is shutting down"))
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineUnavailableError("the server is shutting down"))
+        for call in self._calls.values():
+            if not call.done():
+                call.set_exception(EngineUnavailableError("the server is shutting down"))
         await self._transport.close(timeout)

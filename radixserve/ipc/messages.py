@@ -7,7 +7,7 @@ Does not know: aiohttp, torch. Keep them small: token ids, not text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from radixserve.types import SamplingParams, TokenOutput
 
@@ -28,7 +28,45 @@ class AbortMsg:
 
 @dataclass(frozen=True)
 class FlushCacheMsg:
-    pass
+    include_pins: bool = False  # also release every pinned prefix first
+
+
+@dataclass(frozen=True)
+class PinMsg:
+    """Prefill `token_ids` if needed, then lock its whole pages in the tree (a pin)."""
+
+    call_id: str
+    token_ids: list[int]
+    salt: str = ""
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class UnpinMsg:
+    """Release one pin by id, or every pin of exactly this prefix in this namespace."""
+
+    call_id: str
+    pin_id: str | None = None
+    token_ids: list[int] | None = None
+    salt: str = ""
+
+
+@dataclass(frozen=True)
+class ListPinsMsg:
+    call_id: str
+
+
+@dataclass(frozen=True)
+class CallResultMsg:
+    """Reply to a Pin/Unpin/ListPins call: a result, or an error with an HTTP-like status."""
+
+    call_id: str
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    status: int = 200
+
+
+CacheCallMsg = Union[PinMsg, UnpinMsg, ListPinsMsg]
 
 
 @dataclass(frozen=True)

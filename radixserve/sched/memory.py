@@ -179,14 +179,16 @@ class MemoryManager:
                        evictable=self.cache.evictable_size, held=self.held_tokens(live))
 
     def flush_cache(self) -> None:
-        """Drop every cached prefix; only when no request holds a lock (the caller checks)."""
-        assert self.cache.protected_size == 0, "flush with locked prefixes"
-        freed = self.cache.reset()
+        """Drop every cached prefix that is not locked. No request may be live (the caller
+        checks); pins (locks the scheduler holds) survive."""
+        cache = self.cache
+        freed = cache.reset() if cache.protected_size == 0 else cache.evict(cache.evictable_size)
         if freed:
             self.allocator.free(self.allocator.slots_to_pages(freed))
 
-    def check_integrity(self, live: list[Req]) -> None:
-        """free + cached + held == total, no slot owned twice, locks match live requests."""
+    def check_integrity(self, live: list[Req], pinned_tokens: int = 0) -> None:
+        """free + cached + held == total, no slot owned twice, locks match live requests and
+        pins (`pinned_tokens`: the tokens on the pinned paths)."""
         self.allocator.check_integrity()
         self.cache.check_integrity()
         held = self.held_tokens(live)
@@ -197,4 +199,4 @@ class MemoryManager:
         assert len(owned) == len(set(owned)), "a slot is held by two requests"
         assert not set(owned) & set(self.cache.all_slots()), "a held slot is also in the tree"
         if not live:
-            assert self.cache.protected_size == 0, "locks left with no live request"
+            assert self.cache.protected_size == pinned_tokens, "locks left with no live request"

@@ -22,6 +22,7 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.sched.memory import MemoryManager
+from radixserve.sched.pins import PinTable
 from radixserve.sched.policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.types import (
@@ -40,6 +41,10 @@ class Scheduler:
                  eos_token_ids: tuple[int, ...]) -> None:
         self.cfg = cfg
         self.mem = MemoryManager(allocator, cache, req_table, cfg.disable_radix_cache)
+        max_pinned = cfg.max_pinned_tokens
+        if max_pinned is None:
+            max_pinned = allocator.num_pages * allocator.page_size // 4
+        self.pins = PinTable(cache, max_pinned)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -98,6 +103,8 @@ class Scheduler:
     # ---- forming batches -----------------------------------------------------------------
 
     def schedule(self) -> Batch | None:
+        if self.pins.pins:
+            self.pins.expire()  # lazily: an expired pin only matters when pages are needed
         want_extend = bool(self.waiting or self.prefilling)
         if want_extend and (self.last_phase is Phase.DECODE or not self.running):
             batch = self._schedule_extend()
@@ -280,10 +287,13 @@ class Scheduler:
         req.finish_reason = reason
         del self.reqs[req.rid]
 
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix. False (nothing done) while requests are admitted."""
+    def flush_cache(self, include_pins: bool = False) -> bool:
+        """Drop every cached prefix but the pinned ones (all, with include_pins). False
+        (nothing done) while requests are admitted."""
         if self.running or self.prefilling:
             return False
+        if include_pins:
+            self.pins.release_all()
         self.mem.flush_cache()
         return True
 
@@ -297,10 +307,11 @@ class Scheduler:
             "kv_held_tokens": kv.held, **self.counters,
             # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
             "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
+            "num_pins": len(self.pins.pins), "pinned_tokens": self.pins.pinned_tokens,
         }
 
     def check_integrity(self) -> None:
         live = self.running + self.prefilling
         assert all(r.status is ReqStatus.RUNNING for r in live)
         assert all(r.status is ReqStatus.WAITING and not r.slots for r in self.waiting)
-        self.mem.check_integrity(live)
+        self.mem.check_integrity(live, self.pins.locked_tokens())

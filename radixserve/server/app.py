@@ -22,6 +22,7 @@ from radixserve.kv_events import KVEventPublisher
 from radixserve.server.bounds import BODY_TIMEOUT_KEY
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
+from radixserve.server.routes_cache import add_cache_routes
 from radixserve.server.routes_native import add_native_routes
 from radixserve.server.routes_openai import add_openai_routes
 from radixserve.server.state import CALLER_FIELD, STATE_KEY, ServerState
@@ -106,6 +107,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout
     app.on_response_prepare.append(_rate_limit_headers)
     add_openai_routes(app)
+    add_cache_routes(app)
     add_native_routes(app)
     if cfg.engine.enable_kv_events:
         publisher = KVEventPublisher()

@@ -30,9 +30,11 @@ class Caller:
     name: str
     limits: KeyLimits
     cache_salt: str
+    admin: bool = False
 
 
 ANONYMOUS_CALLER = Caller(ANONYMOUS, NO_LIMITS, "")
+ADMIN_NAME = "admin"
 
 
 def flag_entries(keys: Sequence[str]) -> list[KeyEntry]:
@@ -42,9 +44,13 @@ def flag_entries(keys: Sequence[str]) -> list[KeyEntry]:
 
 class ApiKeys:
     def __init__(self, keys: Sequence[str], shared_cache: bool = False,
-                 keys_file: str | None = None) -> None:
-        """Raises ConfigError when the keys file is unreadable or invalid."""
+                 keys_file: str | None = None, admin_key: str | None = None) -> None:
+        """Raises ConfigError when the keys file is unreadable or invalid. `admin_key` is
+        accepted as a key named "admin" that may use admin routes."""
         self._flag_entries = flag_entries(keys)
+        if admin_key:
+            self._flag_entries.append(KeyEntry(ADMIN_NAME, digest_key(admin_key), NO_LIMITS,
+                                               admin=True))
         self._keys_file = None if keys_file is None else Path(keys_file)
         self._shared_cache = shared_cache
         self._entries: tuple[KeyEntry, ...] = ()
@@ -87,7 +93,7 @@ class ApiKeys:
         candidate = digest_key(token)
         found: KeyEntry | None = None
         for entry in entries:  # no early exit: the time taken does not depend on the match
-            if hmac.compare_digest(candidate, entry.digest):
+            if hmac.compare_digest(candidate, entry.digest) and (found is None or entry.admin):
                 found = entry
         if found is None:
             raise APIError(401, "invalid API key", code="invalid_api_key",
@@ -95,7 +101,13 @@ class ApiKeys:
         salt = "" if self._shared_cache else cache_salt_for_api_key(token)
         if salt:
             self._salt_names[salt] = found.name
-        return Caller(found.name, found.limits, salt)
+        return Caller(found.name, found.limits, salt, found.admin)
+
+    def cache_salt(self, key: str) -> str:
+        """The cache namespace requests with `key` use ("" when shared or auth is off)."""
+        if self._shared_cache or not self._entries or key == ANONYMOUS:
+            return ""
+        return cache_salt_for_api_key(key)
 
     def salt_name(self, salt: str) -> str:
         """The name of the key a cache salt belongs to (for metric labels)."""

@@ -64,6 +64,7 @@ class KeyEntry:
     name: str
     digest: bytes  # sha256 of the key
     limits: KeyLimits
+    admin: bool = False  # the server's --admin-key: may use admin routes (cache pins)
 
 
 def _entry(raw: Any, i: int) -> KeyEntry:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from radixserve.ipc.client import EngineState
 from radixserve.server.errors import APIError, json_response
+from radixserve.server.fields import check_fields, get_bool
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.protocol import parse_generate
@@ -90,7 +91,11 @@ async def metrics(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     state.ensure_ready()
-    if not await state.client.flush_cache():
+    include_pins = False
+    if request.can_read_body:
+        body = check_fields(await read_json(request), frozenset({"include_pins"}))
+        include_pins = bool(get_bool(body, "include_pins"))
+    if not await state.client.flush_cache(include_pins):
         raise APIError(409, "the cache was not flushed: requests are running; retry when idle",
                        code="requests_running")
     return json_response({"flushed": True})

@@ -70,7 +70,10 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, client: EngineClient) -> None:
         self.cfg = cfg
         self.client = client
-        self.auth = ApiKeys(cfg.api_keys, cfg.shared_cache, cfg.api_keys_file)
+        # The admin key authenticates too (admin routes check Caller.admin), when keys are on.
+        keyed = bool(cfg.api_keys or cfg.api_keys_file)
+        self.auth = ApiKeys(cfg.api_keys, cfg.shared_cache, cfg.api_keys_file,
+                            admin_key=cfg.admin_key if keyed else None)
         self.metrics = ServerMetrics(lambda: self.client.stats, self.auth.salt_name)
         self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue,
                                    on_refused=self._count_refused)

@@ -21,7 +21,13 @@ from typing import Any
 from radixserve.cache.radix_cache import CacheEvent, CacheEventKind
 from radixserve.config import EngineConfig
 from radixserve.engine.loop import EngineLike, EngineLoop
-from radixserve.ipc.messages import EngineErrorMsg, EngineReadyMsg, GenerateMsg
+from radixserve.ipc.messages import (
+    CacheCallMsg,
+    CallResultMsg,
+    EngineErrorMsg,
+    EngineReadyMsg,
+    GenerateMsg,
+)
 from radixserve.types import FinishReason, InvalidRequestError, TokenLogprobs, TokenOutput
 
 
@@ -61,6 +67,7 @@ class FakeEngine:
         self._running: dict[str, _FakeReq] = {}
         self._cached: dict[str, list[tuple[int, ...]]] = {}  # salt -> cached sequences
         self._events: list[CacheEvent] = []
+        self._replies: list[CallResultMsg] = []
         self._counters = dict.fromkeys(
             ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
              "generation_tokens", "num_aborted_requests"), 0)
@@ -155,7 +162,15 @@ class FakeEngine:
                                                    req.msg.cache_salt))
         return outputs
 
-    def flush_cache(self) -> bool:
+    def call(self, msg: CacheCallMsg) -> None:
+        self._replies.append(CallResultMsg(msg.call_id, error="the fake engine has no pins",
+                                           status=501))
+
+    def drain_replies(self) -> list[CallResultMsg]:
+        replies, self._replies = self._replies, []
+        return replies
+
+    def flush_cache(self, include_pins: bool = False) -> bool:
         if self._running:
             return False
         self._cached.clear()
