@@ -60,6 +60,8 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--keepalive-timeout", float, "keepalive_timeout",
      "close connections idle (or still sending headers) this long"),
     ("--body-timeout", float, "body_timeout", "408 when a request body takes longer to arrive"),
+    ("--send-timeout", float, "send_timeout",
+     "drop a streaming client that accepts no bytes for this long"),
     ("--shutdown-timeout", float, "shutdown_timeout",
      "SIGTERM: seconds in-flight requests get to finish"),
 ]

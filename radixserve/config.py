@@ -98,6 +98,7 @@ class ServerConfig:
     max_connections: int = 2048  # open client connections; past it: 503 and close
     keepalive_timeout: float = 15.0  # idle (or still sending its headers) connection: closed
     body_timeout: float = 30.0  # a request body not fully received by then: 408
+    send_timeout: float = 30.0  # a streaming client that accepts no bytes this long: dropped
     shutdown_timeout: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     restart_engine: bool = False  # engine died: restart it (with backoff) instead of exiting 1
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -110,7 +111,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        for name in ("request_timeout", "keepalive_timeout", "body_timeout"):
+        for name in ("request_timeout", "keepalive_timeout", "body_timeout", "send_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")

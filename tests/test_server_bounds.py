@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from radixserve.server.state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from tests.test_server import GREEDY, TOKENIZER, call, serve
 from tests.test_server_limits import wait_idle
+from tests.waiting import wait_until
 
 LONG_RUN = {"prompt": "abcdefgh", "max_tokens": 400, **GREEDY}
 
@@ -165,3 +167,26 @@ async def test_drain_gives_up_after_shutdown_timeout(model_dir: Path) -> None:
         await asyncio.wait_for(drain(state, timeout=0.1), 30)
         assert state.admission.num_requests == 1  # cut off: the engine's shutdown fails it
         resp.close()
+
+
+async def test_stalled_stream_reader_is_dropped_and_aborted(model_dir: Path) -> None:
+    body = {"prompt": "abcdefgh" * 8, "max_tokens": 400, "n": 64, "stream": True,
+            "logprobs": 5, **GREEDY}  # ~40 MB of events: far more than socket buffers hold
+    async with serve(model_dir, step_interval=0.005, send_timeout=0.3) as tc:
+        assert tc.app is not None and tc.server.port is not None
+        state = tc.app[STATE_KEY]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills up fast
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", tc.server.port))
+        raw = orjson.dumps(body)
+        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+        # ... and never reads: the server gives up on it and aborts the 64 choices.
+        await wait_until(lambda: state.admission.num_requests == 1, what="admitted")
+        await wait_until(lambda: state.admission.num_requests == 0, timeout=60,
+                         what="the stalled stream dropped")
+        idle = await wait_idle(tc)
+        assert idle["kv_held_tokens"] == 0 and idle["generation_tokens"] < 64 * 400
+        sock.close()

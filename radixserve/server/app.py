@@ -19,7 +19,7 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import KVEventPublisher
-from radixserve.server.bounds import BODY_TIMEOUT_KEY
+from radixserve.server.bounds import BODY_TIMEOUT_KEY, SEND_TIMEOUT_KEY
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
 from radixserve.server.routes_cache import add_cache_routes
@@ -105,6 +105,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout
+    app[SEND_TIMEOUT_KEY] = cfg.send_timeout
     app.on_response_prepare.append(_rate_limit_headers)
     add_openai_routes(app)
     add_cache_routes(app)

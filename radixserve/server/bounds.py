@@ -2,7 +2,8 @@
 
 Owns: the deadline wrapper around a request's event stream (408 and an abort, so the engine
 frees the request's pages), reading a body with a size cap (413) and a time cap (408, against
-bodies trickled byte by byte), and GuardedRunner: an AppRunner that refuses connections past a
+bodies trickled byte by byte), a send timeout for streams (a client that stops reading is
+dropped), and GuardedRunner: an AppRunner that refuses connections past a
 cap (503, then close). Idle connections, and ones still sending their headers, are closed by
 aiohttp's keepalive timeout (set by the caller), which runs from the moment a connection opens.
 Does not know: routes, the engine, OpenAI's formats.
@@ -25,6 +26,7 @@ T = TypeVar("T")
 logger = logging.getLogger("radixserve.server")
 
 BODY_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("radixserve_body_timeout", float)
+SEND_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("radixserve_send_timeout", float)
 _OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                   b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
 
@@ -69,6 +71,19 @@ async def read_json(request: web.Request) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from err
+
+
+async def send_within(request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+    """Write `data`; a client that accepts no bytes for the send timeout (it stopped reading
+    but keeps the connection open) is dropped: ConnectionResetError, as if it had left, so
+    the caller aborts its engine work."""
+    try:
+        async with asyncio.timeout(request.app.get(SEND_TIMEOUT_KEY)):
+            await resp.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading; connection dropped") from None
 
 
 class GuardedRunner(web.AppRunner):
