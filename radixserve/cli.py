@@ -1,7 +1,7 @@
 """Command line: `radixserve serve --model M ...` (also `python -m radixserve serve ...`).
 
 Owns: the flags (named as vLLM / SGLang users expect), reading RADIXSERVE_API_KEY, and building
-the frozen configs once. Does not know: HTTP or the engine (server.app.run_server does).
+the frozen configs once. Does not know: HTTP or the engine (server.serve.run_server does).
 Defaults live in config.py only: a flag left unset is simply not passed to the dataclass.
 """
 
@@ -57,6 +57,18 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--log-stats-interval", float, "log_stats_interval", "seconds between stats log lines"),
     ("--tool-call-parser", str, "tool_call_parser",
      f"how the model writes tool calls: {' | '.join(TOOL_CALL_PARSERS)}"),
+    ("--api-keys-file", str, "api_keys_file", "JSON/TOML file of named keys with per-key limits "
+     "(rpm, tpm, max_concurrency, max_tokens, max_input_tokens); SIGHUP reloads it"),
+    ("--request-timeout", float, "request_timeout", "seconds a request may take; then 408"),
+    ("--max-body-bytes", int, "max_body_bytes", "413 for larger request bodies"),
+    ("--max-connections", int, "max_connections", "open client connections; past it: 503"),
+    ("--keepalive-timeout", float, "keepalive_timeout",
+     "close connections idle (or still sending headers) this long"),
+    ("--body-timeout", float, "body_timeout", "408 when a request body takes longer to arrive"),
+    ("--send-timeout", float, "send_timeout",
+     "drop a streaming client that accepts no bytes for this long"),
+    ("--shutdown-timeout", float, "shutdown_timeout",
+     "SIGTERM: seconds in-flight requests get to finish"),
 ]
 
 
@@ -84,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="publish cache block events on GET /kv_events")
     serve.add_argument("--shared-cache", action="store_true", default=None,
                        help="one prefix-cache namespace for all API keys (default: per key)")
+    serve.add_argument("--log-requests", action="store_true", default=None,
+                       help="log one line per request (prompt cut to a few characters)")
+    serve.add_argument("--restart-engine", action="store_true", default=None,
+                       help="restart a dead engine process (with backoff) instead of exiting 1")
     return parser
 
 
@@ -100,7 +116,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     keys = list(args.api_keys or [])
     if environ.get(API_KEY_ENV):
         keys.append(environ[API_KEY_ENV])
-    server_kwargs = given([f for _, _, f, _ in _SERVER_FLAGS] + ["shared_cache", "admin_key"])
+    server_kwargs = given([f for _, _, f, _ in _SERVER_FLAGS]
+                          + ["shared_cache", "admin_key", "log_requests", "restart_engine"])
     return ServerConfig(api_keys=tuple(dict.fromkeys(keys)), engine=EngineConfig(**engine_kwargs),
                         **server_kwargs)
 
@@ -113,6 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"radixserve: error: {err}", file=sys.stderr)
         return 2
-    from radixserve.server.app import run_server
+    if cfg.api_keys_file is not None:
+        from radixserve.server.keys import load_keys_file
+
+        try:
+            load_keys_file(cfg.api_keys_file)  # fail fast, before anything starts
+        except ConfigError as err:
+            print(f"radixserve: error: {err}", file=sys.stderr)
+            return 2
+    from radixserve.server.serve import run_server
 
     return run_server(cfg)

@@ -103,12 +103,23 @@ class ServerConfig:
     max_queue: int | None = None  # waiting + running requests; past it: 429
     log_stats_interval: float = 5.0
     tool_call_parser: str = "hermes"  # how tool calls are written and read back
+    api_keys_file: str | None = None  # JSON/TOML: named keys with per-key limits (SIGHUP reloads)
+    log_requests: bool = False  # one line per request; prompts cut short, keys never shown
+    request_timeout: float | None = None  # seconds from arrival; past it: abort, 408
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_connections: int = 2048  # open client connections; past it: 503 and close
+    keepalive_timeout: float = 15.0  # idle (or still sending its headers) connection: closed
+    body_timeout: float = 30.0  # a request body not fully received by then: 408
+    send_timeout: float = 30.0  # a streaming client that accepts no bytes this long: dropped
+    shutdown_timeout: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    restart_engine: bool = False  # engine died: restart it (with backoff) instead of exiting 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_tokens_cap", "max_input_tokens", "max_concurrent_per_key", "max_queue"):
+        for name in ("max_tokens_cap", "max_input_tokens", "max_concurrent_per_key", "max_queue",
+                     "max_body_bytes", "max_connections"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -117,3 +128,9 @@ class ServerConfig:
                 f"unknown tool-call parser {self.tool_call_parser!r}; "
                 f"supported: {', '.join(TOOL_CALL_PARSERS)}"
             )
+        for name in ("request_timeout", "keepalive_timeout", "body_timeout", "send_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {value}")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

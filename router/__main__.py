@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from router.canary import parse_worker_flags
 from router.config import ConfigError, PolicyName, RouterConfig
 
 log = logging.getLogger("router")
+ADMIN_KEY_ENV = "RADIXSERVE_ROUTER_ADMIN_KEY"
+REPLICA_KEY_ENV = "RADIXSERVE_REPLICA_API_KEY"
 
 
 class _InOrder(argparse.Action):
@@ -42,7 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--policy", choices=[x.value for x in PolicyName], default=d.policy.value)
-    p.add_argument("--admin-key", default=None, help="guards /workers and /flush_cache")
+    p.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                   help=f"needed by /workers and /flush_cache (also ${ADMIN_KEY_ENV}); "
+                        "without it, adding/removing workers and flushing are off")
+    p.add_argument("--replica-api-key", default=os.environ.get(REPLICA_KEY_ENV) or None,
+                   help="the replicas' API key, for /kv_events and /flush_cache "
+                        f"(also ${REPLICA_KEY_ENV})")
+    p.add_argument("--precise-max-blocks", type=int, default=d.precise_max_blocks,
+                   help="block hashes kept per replica in precise mode")
     p.add_argument("--kv-events", action="store_true",
                    help="precise mode: follow each replica's /kv_events (cache_aware only)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
@@ -71,7 +81,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         workers=setup.workers, worker_groups=setup.worker_groups,
         group_weights=setup.group_weights,
         host=args.host, port=args.port, policy=PolicyName(args.policy),
-        admin_key=args.admin_key, kv_events=args.kv_events, tokenizer=args.tokenizer,
+        admin_key=args.admin_key, replica_api_key=args.replica_api_key,
+        precise_max_blocks=args.precise_max_blocks, kv_events=args.kv_events,
+        tokenizer=args.tokenizer,
         kv_block_size=args.kv_block_size, salt_by_api_key=not args.shared_cache,
         block_chars=args.block_chars, index_max_entries=args.index_max_entries,
         balance_lambda=args.balance_lambda, health_interval_s=args.health_interval,

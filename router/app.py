@@ -4,9 +4,10 @@ Owns: `create_app(cfg)`, the ONE shared ClientSession and the health task (clean
 admin guard, /health, /metrics, /workers, /flush_cache. Does not know: how a worker is chosen
 (routing.py) or how bytes are relayed (proxy.py).
 
-Admin routes (/workers, /flush_cache) need `Authorization: Bearer <admin key>` when the router
-has one; /flush_cache forwards that header to every replica unchanged (so give replicas the
-same key, or leave their flush unguarded). Everything else passes the client's
+Admin routes need `Authorization: Bearer <admin key>`. A router started without an admin key
+refuses the mutating ones (POST/DELETE /workers, POST /flush_cache) with 403 and serves the
+read-only GET /workers to anyone. /flush_cache reaches every replica with the replicas' key
+(`replica_api_key`), never with the admin key. Everything else passes the client's
 Authorization header through to the replica untouched.
 """
 
@@ -44,10 +45,13 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 
 def _admin_denied(request: web.Request) -> web.Response | None:
-    """None when the request may use admin routes; else the 401 to answer."""
+    """None when the request may use admin routes; else the 401 (or 403) to answer."""
     key = request.app[ROUTER_KEY].cfg.admin_key
     if key is None:
-        return None
+        if request.method == "GET":
+            return None
+        return error_response(403, "admin routes are off: start the router with --admin-key",
+                              "permission_error", "admin_disabled")
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     given = hashlib.sha256(token.strip().encode()).digest()
     expected = hashlib.sha256(key.encode()).digest()
@@ -195,7 +199,8 @@ async def remove_worker(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     """POST /flush_cache to every worker; 200 if all answered 200, else 502 with details."""
     router = request.app[ROUTER_KEY]
-    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    key = router.cfg.replica_api_key
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     timeout = aiohttp.ClientTimeout(total=router.cfg.health_timeout_s * 5)
 
     async def one(url: str) -> int | str:

@@ -71,13 +71,17 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     policy: PolicyName = PolicyName.CACHE_AWARE
-    admin_key: str | None = None  # guards /workers and /flush_cache when set
+    # Admin routes (/workers, /flush_cache) need this key; without one, the mutating ones
+    # (POST/DELETE /workers, POST /flush_cache) are off (403).
+    admin_key: str | None = None
+    replica_api_key: str | None = None  # sent to replicas on /kv_events and /flush_cache
     # Precise mode: follow each replica's /kv_events; needs a tokenizer for text prompts.
     kv_events: bool = False
     tokenizer: str | None = None  # a model spec radixserve.model_source understands
     kv_block_size: int = 16  # must equal the replicas' --kv-events block size
     pending_ttl_s: float = 30.0  # routed-but-not-yet-announced blocks count this long
     kv_stream_timeout_s: float = 30.0  # no byte (not even a keepalive) for this long: down
+    precise_max_blocks: int = 1 << 20  # block hashes kept per replica, oldest dropped beyond
     # Cache namespaces: True mirrors replicas that salt their cache per API key (the
     # default); False mirrors replicas started with --shared-cache.
     salt_by_api_key: bool = True
@@ -91,7 +95,8 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     fail_threshold: int = 3
     success_threshold: int = 2
-    # Retries of a request whose connection failed before any response byte.
+    # Retries of a request that failed before any response byte was relayed: connection
+    # errors, 5xx and 429 answers.
     max_retries: int = 3
     retry_backoff_s: float = 0.05  # 50 ms x 1.5^n
     retry_backoff_factor: float = 1.5
@@ -140,7 +145,7 @@ class RouterConfig:
         if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:
             raise ConfigError("--kv-events needs --policy cache_aware")
         for name in ("kv_block_size", "block_chars", "index_max_entries",
-                     "fail_threshold", "success_threshold"):
+                     "fail_threshold", "success_threshold", "precise_max_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
@@ -151,5 +156,7 @@ class RouterConfig:
             raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
         if self.balance_lambda < 0:
             raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
-        if self.admin_key is not None and not self.admin_key:
-            raise ConfigError("admin_key must not be empty")
+        for name in ("admin_key", "replica_api_key"):
+            value = getattr(self, name)
+            if value is not None and (not value or value != value.strip()):
+                raise ConfigError(f"{name} must be a non-empty string without spaces around it")

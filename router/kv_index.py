@@ -8,15 +8,20 @@ reconnect. Does not know: policies, HTTP routing, how token ids are produced.
 
 A worker whose stream is down is "not live": `match` answers None and the caller falls back to
 the approximate index for it.
+
+Memory bound: each worker's set holds at most `max_blocks` hashes (a replica that announces
+more than that, or whose removals were lost, costs no more): past it, the hashes stored or
+matched longest ago are forgotten first (`num_dropped` counts them), which can only cost a cache hit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,21 +42,39 @@ MAX_SSE_EVENT_BYTES = 64 << 20  # a snapshot of a huge cache is one event; beyon
 
 @dataclass
 class WorkerKV:
-    hashes: set[int] = field(default_factory=set)
+    blocks: dict[int, None] = field(default_factory=dict)  # use order: least recent first
     pending: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> expiry
     last_seq: int = 0
     live: bool = False
     block_size_mismatch: bool = False
     num_batches: int = 0
+    num_dropped: int = 0  # hashes forgotten to stay within max_blocks
+
+    @property
+    def hashes(self) -> KeysView[int]:
+        """The block hashes this worker holds (a read-only set view)."""
+        return self.blocks.keys()
+
+    def store(self, block_hashes: Sequence[int], max_blocks: int) -> None:
+        for h in block_hashes:
+            self.blocks.pop(h, None)  # re-stored: now the newest
+            self.blocks[h] = None
+            self.pending.pop(h, None)
+        excess = len(self.blocks) - max_blocks
+        if excess > 0:
+            for h in list(itertools.islice(self.blocks, excess)):
+                del self.blocks[h]
+            self.num_dropped += excess
 
 
 class PreciseIndex:
     def __init__(
         self, block_size: int, pending_ttl_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, max_blocks: int = 1 << 20,
     ) -> None:
         self.block_size = block_size
         self.pending_ttl_s = pending_ttl_s
+        self.max_blocks = max_blocks
         self._clock = clock
         self._workers: dict[str, WorkerKV] = {}
 
@@ -81,7 +104,10 @@ class PreciseIndex:
         self._expire(st)
         n = 0
         for h in token_hashes:
-            if h not in st.hashes and h not in st.pending:
+            if h in st.blocks:
+                del st.blocks[h]  # used: now the newest, the last the memory bound drops
+                st.blocks[h] = None
+            elif h not in st.pending:
                 break
             n += 1
         return n
@@ -117,15 +143,13 @@ class PreciseIndex:
                                 "using the approximate index for it", url, ev.block_size,
                                 self.block_size)
                     st.block_size_mismatch = True
-                st.hashes.update(ev.block_hashes)
-                for h in ev.block_hashes:
-                    st.pending.pop(h, None)
+                st.store(ev.block_hashes, self.max_blocks)
             elif isinstance(ev, BlockRemoved):
-                st.hashes.difference_update(ev.block_hashes)
                 for h in ev.block_hashes:
+                    st.blocks.pop(h, None)
                     st.pending.pop(h, None)
             elif isinstance(ev, AllBlocksCleared):
-                st.hashes.clear()
+                st.blocks.clear()
                 st.pending.clear()
         st.last_seq = batch.seq
         st.num_batches += 1
@@ -145,8 +169,12 @@ def _split_sse(buf: bytearray) -> list[bytes]:
 
 async def follow_kv_events(
     session: aiohttp.ClientSession, url: str, index: PreciseIndex, read_timeout_s: float,
+    api_key: str | None = None,
 ) -> None:
-    """Follow `url`/kv_events until cancelled; reconnect with `since=last_seq` to replay."""
+    """Follow `url`/kv_events until cancelled; reconnect with `since=last_seq` to replay.
+
+    `api_key`: the replicas' key (they guard /kv_events like any non-public route)."""
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
     backoff = 0.1
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=read_timeout_s,
                                     sock_read=read_timeout_s)
@@ -156,7 +184,10 @@ async def follow_kv_events(
             return
         try:
             async with session.get(f"{url}/kv_events", params={"since": str(st.last_seq)},
-                                   timeout=timeout) as resp:
+                                   timeout=timeout, headers=headers) as resp:
+                if resp.status == 401:
+                    log.warning("%s/kv_events answered 401: give the router the replicas' key "
+                                "(--replica-api-key)", url)
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 index.set_live(url, True)

@@ -1,13 +1,15 @@
 """Forwarding one request: choose a worker, send, stream the answer back as it comes.
 
-Owns: the retry rule and the passthrough. A request whose connection fails before any
-response byte (refused, reset, timed out connecting) or that a replica answers 503 (not ready,
-engine dead) is retried on another worker, at most `max_retries` times, sleeping
-50 ms x 1.5^n between tries; the worker is marked suspect. Once the status line has been
-relayed, bytes go to the client chunk by chunk and an upstream failure reaches the client as
-it stands: the connection is dropped, so it sees a truncated response, never a short
-"complete" one. In-flight counts are decremented in `finally`. Does not know: policies or
-indexes (routing.py), the route table (app.py).
+Owns: the retry rule and the passthrough. A request that fails before any response byte is
+relayed is retried on another worker, at most `max_retries` times, sleeping 50 ms x 1.5^n
+between tries: a connection failure (refused, reset, timed out connecting) or a 5xx answer
+(not ready, draining, engine dead or failed) marks the worker suspect; a 429 (that replica's
+queue or rate limit) just moves on. When no other worker is left, the last such answer is
+passed through as it stands. Once the status line of a 2xx-4xx answer has been relayed,
+bytes go to the client chunk by chunk and are never retried; an upstream failure reaches the
+client as it stands: the connection is dropped, so it sees a truncated response, never a
+short "complete" one. In-flight counts are decremented in `finally`. Does not know: policies
+or indexes (routing.py), the route table (app.py).
 """
 
 from __future__ import annotations
@@ -61,7 +63,13 @@ def _passthrough_headers(headers: Mapping[str, str], keep_length: bool) -> CIMul
 class Attempt(NamedTuple):
     response: web.StreamResponse | None  # relayed to the client: done
     retry_error: str | None  # nothing relayed yet: try another worker
-    fallback: web.Response | None  # a 503 to return as it stands if no other worker is left
+    fallback: web.Response | None  # the answer to return as it stands if no worker is left
+    suspect: bool = True  # the worker looks broken (not just busy)
+
+
+def retryable(status: int) -> bool:
+    """Answers worth another replica: it failed (5xx) or is over its limits (429)."""
+    return status >= 500 or status == 429
 
 
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
@@ -105,13 +113,13 @@ async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker:
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         return Attempt(None, f"{type(e).__name__}: {e}", None)
     try:
-        if upstream.status == 503:
+        if retryable(upstream.status):
             data = await upstream.read()
-            fallback = web.Response(status=503, body=data, headers=_passthrough_headers(
-                upstream.headers, keep_length=False))
-            return Attempt(None, "answered 503", fallback)
-        if upstream.status >= 500:
-            worker.num_errors += 1
+            fallback = web.Response(status=upstream.status, body=data,
+                                    headers=_passthrough_headers(upstream.headers,
+                                                                 keep_length=False))
+            return Attempt(None, f"answered {upstream.status}", fallback,
+                           suspect=upstream.status != 429)
         return Attempt(await _relay(request, upstream, worker), None, None)
     except BaseException:
         upstream.close()  # not fully read: this connection cannot go back to the pool
@@ -155,6 +163,7 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
         assert result.retry_error is not None
         log.info("%s failed before any byte (%s); retrying elsewhere", worker.url,
                  result.retry_error)
-        router.pool.mark_suspect(worker, result.retry_error)
+        if result.suspect:
+            router.pool.mark_suspect(worker, result.retry_error)
         fallback = result.fallback or fallback
     return fallback or no_worker_response(f"tried {len(tried)}" if tried else "")

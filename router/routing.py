@@ -50,7 +50,9 @@ class Router:
         self.pool = WorkerPool(cfg.workers, cfg.fail_threshold, cfg.success_threshold)
         self.policy: Policy = make_policy(cfg)
         self.index = ApproxPrefixIndex(cfg.index_max_entries)
-        self.precise = PreciseIndex(cfg.kv_block_size, cfg.pending_ttl_s) if cfg.kv_events else None
+        self.precise = (PreciseIndex(cfg.kv_block_size, cfg.pending_ttl_s,
+                                     max_blocks=cfg.precise_max_blocks)
+                        if cfg.kv_events else None)
         self.encoder = encoder
         self.split = TrafficSplit(cfg.workers, cfg.worker_groups, cfg.group_weights)
         self._session: aiohttp.ClientSession | None = None
@@ -187,6 +189,7 @@ class Router:
         if self._session is None or self.precise is None:
             return  # start() follows every worker once the session exists
         self._followers[url] = asyncio.create_task(
-            follow_kv_events(self._session, url, self.precise, self.cfg.kv_stream_timeout_s),
+            follow_kv_events(self._session, url, self.precise, self.cfg.kv_stream_timeout_s,
+                             self.cfg.replica_api_key),
             name=f"kv_events {url}",
         )

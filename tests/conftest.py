@@ -16,8 +16,16 @@ import pytest  # noqa: E402
 
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
+SOAK_ENV = "RADIXSERVE_SOAK_S"  # seconds of the opt-in soak/chaos runs
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `soak` tests are off by default: on with `-m soak` or RADIXSERVE_SOAK_S=<seconds>.
+    if "soak" not in (config.getoption("-m") or "") and not os.environ.get(SOAK_ENV):
+        skip_soak = pytest.mark.skip(reason=f"opt-in: -m soak or {SOAK_ENV}=<seconds>")
+        for item in items:
+            if "soak" in item.keywords:
+                item.add_marker(skip_soak)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

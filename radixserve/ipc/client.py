@@ -1,7 +1,9 @@
 """The API process's handle on the engine: start it, stream tokens per request, abort, stop.
 
-Owns: EngineClient (per-rid asyncio queues, engine state, latest stats). Does not know: HTTP,
-tokenizers, what the engine does inside a step, how messages travel (transport.py).
+Owns: EngineClient (per-rid asyncio queues, engine state, latest stats, and the engine's
+lives: an engine that dies fails every request in flight at once, and `restart` starts a new
+one through the transport factory). Does not know: HTTP, tokenizers, what the engine does
+inside a step, how messages travel (transport.py), when to restart (server/serve.py).
 Everything a transport's threads receive is handed to the loop with call_soon_threadsafe, and
 all client state is touched on the loop only.
 """
@@ -52,8 +54,13 @@ class EngineFailedError(RuntimeError):
 class EngineClient:
     """Async front of one engine. All methods run on the event loop that called start()."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport,
+                 respawn: Callable[[], Transport] | None = None) -> None:
+        """`respawn` builds a fresh transport for `restart` (None: no restarts)."""
         self._transport = transport
+        self._respawn = respawn
+        self._life = 0  # which transport's messages count: a dead one's late ones do not
+        self._died: asyncio.Future[str] | None = None
         self.state = EngineState.LOADING
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
@@ -68,7 +75,7 @@ class EngineClient:
     @classmethod
     def spawn(cls, cfg: EngineConfig, factory: EngineFactory | None = None) -> EngineClient:
         """The engine in its own process; `factory` None: the real Engine (tests: fakes)."""
-        return cls(ProcessTransport(cfg, factory))
+        return cls(ProcessTransport(cfg, factory), lambda: ProcessTransport(cfg, factory))
 
     @property
     def transport(self) -> Transport:
@@ -82,16 +89,39 @@ class EngineClient:
         """Start the engine and wait for it to be ready. Raises EngineUnavailableError."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
+        self._died = self._loop.create_future()
+        self._life += 1
         self._transport.start(self._from_thread(self._on_message), self._from_thread(self._on_exit))
         return await self._ready
+
+    async def wait_dead(self) -> str:
+        """Wait until the engine (the current one) dies; the reason. Call after start()."""
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
+
+    async def restart(self) -> dict[str, Any]:
+        """Replace a dead engine with a fresh one and wait for it to be ready.
+
+        Raises EngineUnavailableError when the new one fails to start (the client stays DEAD).
+        """
+        assert self.state is EngineState.DEAD and self._respawn is not None
+        old, self._transport = self._transport, self._respawn()
+        await old.close(2.0)  # reap the dead process and its pipe threads
+        self.state, self.error, self.stats = EngineState.LOADING, None, {}
+        return await self.start()
 
     def _from_thread(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
         loop = self._loop
         assert loop is not None
+        life = self._life
+
+        def on_loop(arg: Any) -> None:
+            if life == self._life:  # else: from an engine that died and was replaced
+                fn(arg)
 
         def call(arg: Any) -> None:
             try:
-                loop.call_soon_threadsafe(fn, arg)
+                loop.call_soon_threadsafe(on_loop, arg)
             except RuntimeError:
                 pass  # the loop is closed: the server is gone, nobody to tell
 
@@ -167,6 +197,8 @@ class EngineClient:
         for call in self._calls.values():
             if not call.done():
                 call.set_exception(EngineUnavailableError(reason))
+        if self._died is not None and not self._died.done():
+            self._died.set_result(reason)
 
     def _check_ready(self) -> None:
         if self.state is EngineState.LOADING:

@@ -1,38 +1,36 @@
 """The aiohttp application: create_app(cfg, client) and run_server(cfg).
 
 Owns: middlewares (errors -> OpenAI JSON, never a stack trace; Bearer auth on every route but
-/health, /metrics and /version), route registration, the engine's life inside the app
-(cleanup_ctx: start in the background so /health answers 503 while loading; stop on exit),
-the /kv_events wiring, and the process-level serve loop with signal handling.
-Does not know: request formats (routes_*.py) or the engine's internals.
+/health, /metrics and /version), the x-ratelimit-* headers on every response of a rate-limited
+key, route registration, the engine's life inside the app (cleanup_ctx: start in the
+background so /health answers 503 while loading; stop on exit), and the /kv_events wiring.
+Does not know: request formats (routes_*.py), the engine's internals, the process-level serve
+loop (serve.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
-from radixserve.ipc.transport import EngineFactory
 from radixserve.kv_events import KVEventPublisher
+from radixserve.server.bounds import BODY_TIMEOUT_KEY, SEND_TIMEOUT_KEY
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
 from radixserve.server.routes_cache import add_cache_routes
 from radixserve.server.routes_native import add_native_routes
 from radixserve.server.routes_openai import add_openai_routes
-from radixserve.server.state import API_KEY_FIELD, STATE_KEY, ServerState
+from radixserve.server.state import CALLER_FIELD, STATE_KEY, ServerState
 from radixserve.server.stats_log import StatsLogger, log_capacity
 
 logger = logging.getLogger("radixserve.server")
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOAD_TASK_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("radixserve_load_task", asyncio.Task)
 
@@ -59,9 +57,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path not in PUBLIC_PATHS:
-        request[API_KEY_FIELD] = request.app[STATE_KEY].auth.authenticate(
+        request[CALLER_FIELD] = request.app[STATE_KEY].auth.authenticate(
             request.headers.get("Authorization"))
     return await handler(request)
+
+
+async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* headers on every response to a key that has rpm/tpm limits."""
+    caller = request.get(CALLER_FIELD)
+    if caller is None or (caller.limits.rpm is None and caller.limits.tpm is None):
+        return
+    state = request.app[STATE_KEY]
+    response.headers.update(state.admission.rate.headers(caller.name, caller.limits))
 
 
 async def _load(state: ServerState) -> None:
@@ -89,13 +96,17 @@ async def _kv_events_disabled(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: ServerConfig, client: EngineClient, *,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+               max_body_bytes: int | None = None) -> web.Application:
     """The app for one engine. The client is started by the app (cleanup_ctx) and stopped
-    with it; until it is ready, /health answers 503 and generation routes 503."""
-    app = web.Application(client_max_size=max_body_bytes,
+    with it; until it is ready, /health answers 503 and generation routes 503.
+    Raises ConfigError when the API keys file is invalid."""
+    app = web.Application(client_max_size=max_body_bytes or cfg.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware])
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
+    app[BODY_TIMEOUT_KEY] = cfg.body_timeout
+    app[SEND_TIMEOUT_KEY] = cfg.send_timeout
+    app.on_response_prepare.append(_rate_limit_headers)
     add_openai_routes(app)
     add_cache_routes(app)
     add_native_routes(app)
@@ -109,39 +120,3 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     return app
 
 
-async def serve(cfg: ServerConfig, factory: EngineFactory | None = None) -> int:
-    """Run until SIGINT/SIGTERM (0) or until the engine fails to start (1)."""
-    app = create_app(cfg, EngineClient.spawn(cfg.engine, factory))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    code = 0
-    try:
-        site = web.TCPSite(runner, cfg.host, cfg.port)
-        await site.start()
-        logger.info("serving on %s (model loading in the background)", ", ".join(
-            f"http://{host}:{port}" for host, port, *_ in runner.addresses))
-        load_task = app[LOAD_TASK_KEY]
-        stop_task = asyncio.create_task(stop.wait())
-        await asyncio.wait([load_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
-        if load_task.done() and not load_task.cancelled() and load_task.exception() is not None:
-            logger.error("start-up failed: %s", load_task.exception())
-            code = 1
-        else:
-            await stop_task
-        stop_task.cancel()
-    finally:
-        logger.info("shutting down")
-        await runner.cleanup()
-    return code
-
-
-def run_server(cfg: ServerConfig, factory: EngineFactory | None = None) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(serve(cfg, factory))
-    return 130

@@ -1,55 +1,114 @@
-"""API keys: who may call, and which prefix-cache namespace their requests use.
+"""API keys: who may call, under which name and limits, and which prefix-cache namespace.
 
 Owns: key verification (constant-time over sha256 digests, every configured key checked, so
-timing reveals neither which key matched nor how much of it) and the per-key cache salt.
-Does not know: routes (the app decides which paths are public), the engine.
+timing reveals neither which key matched nor how much of it), the key table (from `--api-key`
+flags and `--api-keys-file`, swapped whole on reload so a request in flight keeps the entry it
+was admitted with), and the per-key cache salt. Only digests are kept; a request's plaintext
+key lives as long as its salt is computed. Does not know: routes (the app decides which
+paths are public), the engine, the limits' enforcement (limits.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from radixserve.kv_events import cache_salt_for_api_key
 from radixserve.server.errors import APIError
+from radixserve.server.keys import KeyEntry, KeyLimits, digest_key, load_keys_file
 
-ANONYMOUS = ""  # the key of every request when no keys are configured
+ANONYMOUS = ""  # the name of every caller when no keys are configured
+NO_LIMITS = KeyLimits()
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated request's identity: its key's name (never the key), limits, salt."""
+
+    name: str
+    limits: KeyLimits
+    cache_salt: str
+    admin: bool = False
+
+
+ANONYMOUS_CALLER = Caller(ANONYMOUS, NO_LIMITS, "")
+ADMIN_NAME = "admin"
+
+
+def flag_entries(keys: Sequence[str]) -> list[KeyEntry]:
+    """`--api-key` keys are named key-1, key-2, ... in the order given; no per-key limits."""
+    return [KeyEntry(f"key-{i}", digest_key(k), NO_LIMITS) for i, k in enumerate(keys, 1)]
 
 
 class ApiKeys:
-    def __init__(self, keys: Sequence[str], shared_cache: bool = False) -> None:
-        self._digests = [_digest(k) for k in keys]
+    def __init__(self, keys: Sequence[str], shared_cache: bool = False,
+                 keys_file: str | None = None, admin_key: str | None = None) -> None:
+        """Raises ConfigError when the keys file is unreadable or invalid. `admin_key` is
+        accepted as a key named "admin" that may use admin routes."""
+        self._flag_entries = flag_entries(keys)
+        if admin_key:
+            self._flag_entries.append(KeyEntry(ADMIN_NAME, digest_key(admin_key), NO_LIMITS,
+                                               admin=True))
+        self._keys_file = None if keys_file is None else Path(keys_file)
         self._shared_cache = shared_cache
+        self._entries: tuple[KeyEntry, ...] = ()
+        # Cache salt -> key name, learnt as keys are used (at most one per key ever loaded):
+        # lets /metrics name a tenant's cache by its key's name.
+        self._salt_names: dict[str, str] = {}
+        self.reload()
+
+    def reload(self) -> list[str]:
+        """Re-read the keys file (SIGHUP) and swap the table at once. Returns the key names.
+
+        Raises ConfigError and keeps the old table when the file is invalid."""
+        entries = list(self._flag_entries)
+        if self._keys_file is not None:
+            from_file = load_keys_file(self._keys_file)
+            names = {e.name for e in from_file}
+            # File names win over the generated flag names they collide with.
+            entries = [e for e in entries if e.name not in names] + from_file
+        self._entries = tuple(entries)
+        return [e.name for e in entries]
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        return bool(self._entries)
 
-    def authenticate(self, authorization: str | None) -> str:
-        """The caller's key (ANONYMOUS when auth is off). Raises APIError(401)."""
-        if not self._digests:
-            return ANONYMOUS
+    @property
+    def num_keys(self) -> int:
+        return len(self._entries)
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        """The caller (ANONYMOUS_CALLER when auth is off). Raises APIError(401)."""
+        entries = self._entries  # one snapshot: a reload mid-check changes nothing here
+        if not entries:
+            return ANONYMOUS_CALLER
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        candidate = _digest(token)
-        matched = False
-        for digest in self._digests:
-            matched |= hmac.compare_digest(candidate, digest)
-        if not matched:
+        candidate = digest_key(token)
+        found: KeyEntry | None = None
+        for entry in entries:  # no early exit: the time taken does not depend on the match
+            if hmac.compare_digest(candidate, entry.digest) and (found is None or entry.admin):
+                found = entry
+        if found is None:
             raise APIError(401, "invalid API key", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-        return token
+        salt = "" if self._shared_cache else cache_salt_for_api_key(token)
+        if salt:
+            self._salt_names[salt] = found.name
+        return Caller(found.name, found.limits, salt, found.admin)
 
     def cache_salt(self, key: str) -> str:
-        """Requests share cached prefixes only within one key's namespace (unless shared)."""
-        if self._shared_cache or key == ANONYMOUS:
+        """The cache namespace requests with `key` use ("" when shared or auth is off)."""
+        if self._shared_cache or not self._entries or key == ANONYMOUS:
             return ""
         return cache_salt_for_api_key(key)
+
+    def salt_name(self, salt: str) -> str:
+        """The name of the key a cache salt belongs to (for metric labels)."""
+        return self._salt_names.get(salt) or salt[:12] or "shared"

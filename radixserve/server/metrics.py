@@ -30,6 +30,8 @@ _ENGINE_COUNTERS = {
     "num_aborted_requests": "Requests the engine aborted (client gone, cancelled).",
 }
 _ENGINE_GAUGES = {
+    "engine_integrity_ok": ("integrity_ok", "1 if the engine's last idle integrity check "
+                                            "(pages free + cached + held == total) passed."),
     "num_requests_running": ("num_running", "Requests in the running batch."),
     "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
     "kv_cache_free_tokens": ("kv_free_tokens", "KV slots on the free list."),
@@ -94,6 +96,25 @@ class ServerMetrics:
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish.",
             buckets=_E2E_BUCKETS, registry=self.registry)
+        # Per API key, labelled by the key's name from the keys file (never the key).
+        self.key_requests = Counter(
+            PREFIX + "api_key_requests", "Requests admitted, by API key name.", ["key_name"],
+            registry=self.registry)
+        self.key_refused = Counter(
+            PREFIX + "api_key_requests_refused", "Requests refused by a limit, by API key name "
+            "and the limit's code.", ["key_name", "code"], registry=self.registry)
+        self.key_prompt_tokens = Counter(
+            PREFIX + "api_key_prompt_tokens", "Prompt tokens of admitted requests, by API key "
+            "name.", ["key_name"], registry=self.registry)
+        self.key_generation_tokens = Counter(
+            PREFIX + "api_key_generation_tokens", "Generated tokens, by API key name.",
+            ["key_name"], registry=self.registry)
+        self.engine_restarts = Counter(
+            PREFIX + "engine_restarts", "Times the engine process was restarted after dying.",
+            registry=self.registry)
+        self.request_timeouts = Counter(
+            PREFIX + "request_timeouts", "Requests aborted by --request-timeout or their own "
+            "'timeout'.", registry=self.registry)
         self.registry.register(_EngineStatsCollector(stats, tenant_label))
 
     def render(self) -> bytes:

@@ -43,17 +43,20 @@ MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATE_DEFAULT_MAX_TOKENS = 128  # SGLang's default for native /generate
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TIMEOUT_S = 86400.0
 
 _SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
     "max_tokens", "max_completion_tokens",
 })
-_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority"}
+_OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
+                                     "timeout"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs", "response_format"}
 CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs", "response_format",
                                 "tools", "tool_choice", "parallel_tool_calls"}
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority"})
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
+                             "timeout"})
 MAX_ABS_PRIORITY = 1_000_000
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
@@ -71,6 +74,7 @@ class RequestOptions:
     stream: bool
     include_usage: bool
     priority: int = 0  # lower = more important (vLLM); orders admission, preemption, eviction
+    timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,11 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
         check_fields(stream_options, frozenset({"include_usage"}), "stream_options")
         include_usage = bool(get_bool(stream_options, "include_usage", "stream_options"))
     priority = get_int(body, "priority", lo=-MAX_ABS_PRIORITY, hi=MAX_ABS_PRIORITY) or 0
-    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority)
+    timeout = get_float(body, "timeout")
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
+    return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
+                          timeout)
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
@@ -247,6 +255,7 @@ def parse_generate(body: Any) -> GenerateRequest:
     renamed["min_tokens"] = sp.get("min_new_tokens")
     renamed["stream"] = body.get("stream")
     renamed["priority"] = body.get("priority")
+    renamed["timeout"] = body.get("timeout")
     opts = _parse_options(renamed, None, None)
     if constraint is not None:
         opts = replace(opts, params=replace(opts.params, constraint=constraint))

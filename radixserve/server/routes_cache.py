@@ -11,8 +11,6 @@ API key whose requests should hit the pinned prefix), default the caller's own.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import uuid
 from typing import Any
 
@@ -21,7 +19,7 @@ from aiohttp import web
 from radixserve.ipc.messages import ListPinsMsg, PinMsg, UnpinMsg
 from radixserve.server.errors import APIError, json_response
 from radixserve.server.fields import bad, check_fields, get_float, parse_token_ids
-from radixserve.server.state import STATE_KEY, ServerState, read_json, request_key
+from radixserve.server.state import STATE_KEY, ServerState, read_json, request_caller
 
 PIN_FIELDS = frozenset({"text", "input_ids", "ttl", "tenant_key"})
 UNPIN_FIELDS = frozenset({"pin_id", "text", "input_ids", "tenant_key"})
@@ -31,9 +29,7 @@ MAX_TTL_S = 30 * 24 * 3600.0
 def _require_admin(request: web.Request, state: ServerState) -> None:
     if not state.auth.enabled:
         return
-    admin = state.cfg.admin_key
-    presented = hashlib.sha256(request_key(request).encode()).digest()
-    if admin is None or not hmac.compare_digest(presented, hashlib.sha256(admin.encode()).digest()):
+    if not request_caller(request).admin:  # auth.py compared the key in constant time
         raise APIError(403, "cache pins need the admin key (--admin-key)",
                        code="admin_key_required")
 
@@ -55,7 +51,7 @@ async def _prefix(state: ServerState, body: dict[str, Any]) -> list[int]:
 def _namespace(request: web.Request, state: ServerState, body: dict[str, Any]) -> str:
     tenant = body.get("tenant_key")
     if tenant is None:
-        return state.auth.cache_salt(request_key(request))
+        return request_caller(request).cache_salt
     if not isinstance(tenant, str) or not tenant:
         raise bad("'tenant_key' must be a non-empty string (an API key)", "tenant_key")
     return state.auth.cache_salt(tenant)

@@ -24,7 +24,7 @@ from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.protocol import parse_generate
 from radixserve.server.sse import write_sse
-from radixserve.server.state import STATE_KEY, read_json, request_key
+from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, read_json
 
 
 def package_version() -> str:
@@ -54,10 +54,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     req = parse_generate(await read_json(request))
     prompt = await state.encode(req.prompt)
-    key = request_key(request)
-    (job,) = state.make_jobs([prompt], req.opts, state.auth.cache_salt(key), "text")
-    with state.admission.admit(key, 1):
-        events = _generate_events(job, merge_streams([state.stream(job, arrival)]))
+    if isinstance(req.prompt, str):
+        request[PREVIEW_FIELD] = req.prompt
+    (job,) = state.caller_jobs(request, [prompt], req.opts, "text")
+    with state.admit(request, [job]) as ticket:
+        chunks = state.with_deadline(merge_streams([state.stream(job, arrival, ticket)]),
+                                     arrival, req.opts.timeout)
+        events = _generate_events(job, chunks)
         if req.opts.stream:
             return await write_sse(request, events)
         last: dict[str, Any] = {}
@@ -70,6 +73,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     client = state.client
+    if state.draining:
+        return json_response({"status": "draining"}, status=503)
     if state.ready and client.is_alive():
         return json_response({"status": "ok"})
     if client.state is EngineState.LOADING or (client.state is EngineState.READY
@@ -102,7 +107,7 @@ async def server_info(request: web.Request) -> web.Response:
     info = state.client.info
     kv_tokens = info.get("kv_cache_tokens")
     server = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("engine", "api_keys")}
-    server["num_api_keys"] = len(cfg.api_keys)
+    server["num_api_keys"] = state.auth.num_keys
     return json_response({
         "version": package_version(),
         "model": state.model_name,
@@ -115,6 +120,7 @@ async def server_info(request: web.Request) -> web.Response:
         "server_config": server,
         "stats": state.client.stats,
         "num_queued": state.admission.num_queued,
+        "engine_pid": getattr(state.client.transport, "pid", None),
         "uptime_s": round(time.time() - state.started, 3),
     })
 

@@ -18,7 +18,7 @@ from radixserve.server.errors import json_response
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
 from radixserve.server.protocol import parse_chat, parse_completion
 from radixserve.server.sse import write_sse
-from radixserve.server.state import STATE_KEY, ServerState, read_json, request_key
+from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, ServerState, read_json
 from radixserve.server.tool_parsers import CallFormat
 from radixserve.server.tool_stream import TOOL_CALLS_FINISH, ChatToolStream, tool_message
 from radixserve.types import TokenLogprobs
@@ -95,14 +95,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_json(request), state.check_constraint)
     state.check_model(req.opts.model)
     prompts = [await state.encode(p) for p in req.prompts]
-    key = request_key(request)
-    jobs = state.make_jobs(prompts, req.opts, state.auth.cache_salt(key), "prompt")
+    if isinstance(req.prompts[0], str):
+        request[PREVIEW_FIELD] = req.prompts[0]
+    jobs = state.caller_jobs(request, prompts, req.opts, "prompt")
     echo = None
     if req.echo:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(list(p)) for p in req.prompts]
     want_lp = req.opts.params.logprobs is not None
-    with state.admission.admit(key, len(jobs)):
-        chunks = merge_streams([state.stream(j, arrival) for j in jobs])
+    with state.admit(request, jobs) as ticket:
+        chunks = state.with_deadline(merge_streams([state.stream(j, arrival, ticket)
+                                                    for j in jobs]), arrival, req.opts.timeout)
         events = _completion_events(state, jobs, chunks, echo, want_lp)
         if req.opts.stream:
             return await write_sse(request, _with_usage(events, req.opts.include_usage))
@@ -166,12 +168,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
     state.check_model(req.opts.model)
     prompt = await state.encode_messages(req.messages, req.tools)
-    key = request_key(request)
-    jobs = state.make_jobs([prompt], req.opts, state.auth.cache_salt(key), "messages")
+    request[PREVIEW_FIELD] = req.messages[-1]["content"]
+    jobs = state.caller_jobs(request, [prompt], req.opts, "messages")
     # Tool calls are read back from the output unless tool_choice is "none" (or no tools).
     calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
-    with state.admission.admit(key, len(jobs)):
-        chunks = merge_streams([state.stream(j, arrival) for j in jobs])
+    with state.admit(request, jobs) as ticket:
+        chunks = state.with_deadline(merge_streams([state.stream(j, arrival, ticket)
+                                                    for j in jobs]), arrival, req.opts.timeout)
         if req.opts.stream:
             events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
                                   calls)

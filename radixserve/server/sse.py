@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from radixserve.server.bounds import send_within
 from radixserve.server.errors import APIError, to_api_error
 
 logger = logging.getLogger("radixserve.server")
@@ -42,9 +43,9 @@ async def write_sse(request: web.Request,
         await resp.prepare(request)
         try:
             if first is not None:
-                await resp.write(sse_event(first))
+                await send_within(request, resp, sse_event(first))
             async for event in iterator:
-                await resp.write(sse_event(event))
+                await send_within(request, resp, sse_event(event))
         except ConnectionResetError:
             raise  # the client is gone; leaving `aclosing` aborts the engine work
         except Exception as exc:

@@ -1,30 +1,36 @@
 """Per-app serving state: the engine client, the tokenizer, limits, and prompt preparation.
 
-Owns: what a handler needs between parsing and streaming: readiness, the model-name check,
-tokenization (off the event loop for long inputs), input/context/cap checks, resolving
-max_tokens, and turning prompts x n into ChoiceJobs. Does not know: OpenAI's wire format.
+Owns: what a handler needs between parsing and streaming: readiness (and draining), the
+model-name check, tokenization (off the event loop for long inputs), input/context/cap checks
+(server-wide and per key), resolving max_tokens, turning prompts x n into ChoiceJobs,
+admission with per-key accounting, the request deadline, and the opt-in request log line.
+Does not know: OpenAI's wire format.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import orjson
 from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient, EngineState
-from radixserve.server.auth import ApiKeys
+from radixserve.server.auth import ANONYMOUS_CALLER, ApiKeys, Caller
+from radixserve.server.bounds import deadline_events
+from radixserve.server.bounds import read_json as read_json  # re-exported for routes
 from radixserve.server.constraint_check import ConstraintChecker
 from radixserve.server.errors import APIError
 from radixserve.server.generation import ChoiceChunk, ChoiceJob, stream_choice
-from radixserve.server.limits import Admission
+from radixserve.server.keys import KeyLimits
+from radixserve.server.limits import Admission, Ticket
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import PromptInput, RequestOptions, check_token_ids
 from radixserve.server.tool_parsers import get_format
@@ -34,6 +40,10 @@ from radixserve.types import SamplingParams
 
 OFFLOAD_CHARS = 2048  # tokenize longer inputs in a thread so one huge prompt stalls no one
 INT64_SPAN = 2**64
+LOG_PREVIEW_CHARS = 8  # --log-requests shows this much of a prompt, never more
+
+request_logger = logging.getLogger("radixserve.requests")
+T = TypeVar("T")
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -65,11 +75,14 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, client: EngineClient) -> None:
         self.cfg = cfg
         self.client = client
-        # The admin key authenticates too (admin routes check that it is the admin's).
-        admin = (cfg.admin_key,) if cfg.admin_key and cfg.api_keys else ()
-        self.auth = ApiKeys(cfg.api_keys + admin, cfg.shared_cache)
-        self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue)
-        self.metrics = ServerMetrics(lambda: self.client.stats)
+        # The admin key authenticates too (admin routes check Caller.admin), when keys are on.
+        keyed = bool(cfg.api_keys or cfg.api_keys_file)
+        self.auth = ApiKeys(cfg.api_keys, cfg.shared_cache, cfg.api_keys_file,
+                            admin_key=cfg.admin_key if keyed else None)
+        self.metrics = ServerMetrics(lambda: self.client.stats, self.auth.salt_name)
+        self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue,
+                                   on_refused=self._count_refused)
+        self.draining = False  # SIGTERM: new requests get 503, in-flight ones finish
         self.started = time.time()
         self.tokenizer: Any = None
         self.model_name = cfg.served_model_name or cfg.engine.model
@@ -107,7 +120,13 @@ class ServerState:
         self.eos_ids = tuple(info.get("eos_token_ids") or ())
         self.native_tools = supports_tools(getattr(self.tokenizer, "chat_template", None))
 
+    def _count_refused(self, key_name: str, code: str) -> None:
+        self.metrics.key_refused.labels(key_name or "anonymous", code).inc()
+
     def ensure_ready(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="draining",
+                           headers={"Retry-After": "1"})
         if self.client.state is EngineState.DEAD:
             raise APIError(503, f"the engine is dead: {self.client.error}", code="engine_dead")
         if not self.ready:
@@ -146,14 +165,17 @@ class ServerState:
                 raise APIError(400, f"chat template error: {err}", param="messages") from err
             raise
 
-    def finalize_params(self, params: SamplingParams, prompt_len: int,
-                        param: str) -> SamplingParams:
-        """Check the prompt against the limits and fix max_tokens (None: remaining context)."""
-        limit, cap = self.max_model_len, self.cfg.max_tokens_cap
-        if self.cfg.max_input_tokens is not None and prompt_len > self.cfg.max_input_tokens:
+    def finalize_params(self, params: SamplingParams, prompt_len: int, param: str,
+                        limits: KeyLimits = ANONYMOUS_CALLER.limits) -> SamplingParams:
+        """Check the prompt against the limits and fix max_tokens (None: remaining context).
+
+        A key's max_tokens / max_input_tokens tighten the server's caps, never loosen them."""
+        limit = self.max_model_len
+        cap = _tightest(self.cfg.max_tokens_cap, limits.max_tokens)
+        max_input = _tightest(self.cfg.max_input_tokens, limits.max_input_tokens)
+        if max_input is not None and prompt_len > max_input:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
-                                f"{self.cfg.max_input_tokens}", param=param,
-                           code="input_too_long")
+                                f"{max_input}", param=param, code="input_too_long")
         room = limit - prompt_len
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
@@ -173,13 +195,13 @@ class ServerState:
         return params
 
     def make_jobs(self, prompts: Sequence[list[int]], opts: RequestOptions, salt: str,
-                  param: str) -> list[ChoiceJob]:
+                  param: str, limits: KeyLimits = ANONYMOUS_CALLER.limits) -> list[ChoiceJob]:
         """prompts x n choices; choice i of a seeded request samples with seed + i."""
         if opts.params.stop_token_ids:
             check_token_ids(opts.params.stop_token_ids, self.vocab_size, "stop_token_ids")
         jobs: list[ChoiceJob] = []
         for p_idx, ids in enumerate(prompts):
-            params = self.finalize_params(opts.params, len(ids), param)
+            params = self.finalize_params(opts.params, len(ids), param, limits)
             for i in range(opts.n):
                 choice_params = params
                 if params.seed is not None and i:
@@ -188,9 +210,70 @@ class ServerState:
                                       choice_params, opts.stop, salt, opts.priority))
         return jobs
 
-    def stream(self, job: ChoiceJob, arrival: float) -> AsyncGenerator[ChoiceChunk, None]:
-        return stream_choice(self.client, self.tokenizer, job, self.eos_ids, self.metrics,
-                             arrival)
+    def caller_jobs(self, request: web.Request, prompts: Sequence[list[int]],
+                    opts: RequestOptions, param: str) -> list[ChoiceJob]:
+        """make_jobs under the caller's cache namespace and per-key caps."""
+        caller = request_caller(request)
+        return self.make_jobs(prompts, opts, caller.cache_salt, param, caller.limits)
+
+    @contextmanager
+    def admit(self, request: web.Request, jobs: Sequence[ChoiceJob]) -> Iterator[Ticket]:
+        """Admission for one HTTP request (raises APIError 429); counts it per key."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="draining",
+                           headers={"Retry-After": "1"})
+        caller = request_caller(request)
+        charged = sum(len(j.prompt_ids) + (j.params.max_tokens or 0) for j in jobs)
+        with self.admission.admit(caller, len(jobs), charged) as ticket:
+            name = caller.name or "anonymous"
+            self.metrics.key_requests.labels(name).inc()
+            self.metrics.key_prompt_tokens.labels(name).inc(
+                sum(len(j.prompt_ids) for j in jobs))
+            if self.cfg.log_requests:
+                self._log_request(request, caller, jobs)
+            yield ticket
+
+    def _log_request(self, request: web.Request, caller: Caller,
+                     jobs: Sequence[ChoiceJob]) -> None:
+        """One line per request; no prompt text (only its first few characters), no key."""
+        preview = request.get(PREVIEW_FIELD, "")
+        shown = preview[:LOG_PREVIEW_CHARS] + ("..." if len(preview) > LOG_PREVIEW_CHARS else "")
+        request_logger.info(
+            "request %s %s key=%s choices=%d prompt_tokens=%s max_tokens=%s prompt=%r "
+            "(%d chars)", request.method, request.path, caller.name or "-", len(jobs),
+            [len(j.prompt_ids) for j in jobs][:4], jobs[0].params.max_tokens if jobs else None,
+            shown, len(preview))
+
+    def stream(self, job: ChoiceJob, arrival: float,
+               ticket: Ticket | None = None) -> AsyncGenerator[ChoiceChunk, None]:
+        chunks = stream_choice(self.client, self.tokenizer, job, self.eos_ids, self.metrics,
+                               arrival)
+        return chunks if ticket is None else self._counted(chunks, job, ticket)
+
+    async def _counted(self, chunks: AsyncGenerator[ChoiceChunk, None], job: ChoiceJob,
+                       ticket: Ticket) -> AsyncGenerator[ChoiceChunk, None]:
+        """Count the tokens a choice really used, for tpm reconciliation and /metrics."""
+        counter = self.metrics.key_generation_tokens.labels(ticket.caller.name or "anonymous")
+        first = True
+        async with aclosing(chunks) as stream:
+            async for chunk in stream:
+                if first:
+                    ticket.used_tokens += len(job.prompt_ids)
+                    first = False
+                ticket.used_tokens += len(chunk.token_ids)
+                counter.inc(len(chunk.token_ids))
+                yield chunk
+
+    def with_deadline(self, events: AsyncGenerator[T, None], arrival: float,
+                      timeout: float | None) -> AsyncGenerator[T, None]:
+        """`events`, cut off (aborting the engine work: its pages are freed) at the deadline:
+        the server's --request-timeout or the request's own `timeout`, whichever is sooner,
+        counted from arrival. Past it the caller sees APIError(408)."""
+        limit = _tightest(self.cfg.request_timeout, timeout)
+        if limit is None:
+            return events
+        return deadline_events(events, limit - (time.perf_counter() - arrival), limit,
+                         self.metrics.request_timeouts.inc)
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strs.get(token_id)
@@ -200,26 +283,24 @@ class ServerState:
         return text
 
 
+def _tightest(*limits: Any) -> Any:
+    """The smallest of the limits that are set (None when none is)."""
+    given = [x for x in limits if x is not None]
+    return min(given) if given else None
+
+
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("radixserve_state", ServerState)
-# The caller's key, set on each request by the auth middleware.
-API_KEY_FIELD: web.RequestKey[str] = web.RequestKey("radixserve_api_key", str)
+# The caller, set on each request by the auth middleware.
+CALLER_FIELD: web.RequestKey[Caller] = web.RequestKey("radixserve_caller", Caller)
+# The prompt's text (or its first characters), kept for --log-requests' preview only.
+PREVIEW_FIELD: web.RequestKey[str] = web.RequestKey("radixserve_prompt_preview", str)
 
 
-async def read_json(request: web.Request) -> Any:
-    """The decoded body. A body over the app's client_max_size raises 413 here."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as err:
-        raise APIError(413, f"the request body is too large: {err.text}",
-                       code="body_too_large") from err
-    if not raw:
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from err
+def request_caller(request: web.Request) -> Caller:
+    caller: Caller = request.get(CALLER_FIELD, ANONYMOUS_CALLER)
+    return caller
 
 
 def request_key(request: web.Request) -> str:
-    key: str = request.get(API_KEY_FIELD, "")
-    return key
+    """The caller's key name ("" when auth is off); never the key itself."""
+    return request_caller(request).name

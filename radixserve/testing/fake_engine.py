@@ -188,6 +188,10 @@ class FakeEngine:
             "kv_held_tokens": held, "kv_total_tokens": self.kv_total, **self._counters,
         }
 
+    def check_integrity(self) -> None:
+        held = sum(len(r.msg.prompt_ids) + len(r.output_ids) for r in self._running.values())
+        assert 0 <= held <= self.kv_total, f"held {held} of {self.kv_total}"
+
     def drain_cache_events(self) -> list[Any]:
         events, self._events = self._events, []
         return events
@@ -221,6 +225,8 @@ class InlineTransport:
                         return
                 if loop.engine.has_work():
                     loop.step()
+                    if not loop.engine.has_work():
+                        loop.check_when_idle()
                     loop.send_stats(force=not loop.engine.has_work())
                     await asyncio.sleep(self._step_interval)
                 else:
