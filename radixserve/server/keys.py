@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import orjson
-import tomllib
 
 from radixserve.config import ConfigError
 

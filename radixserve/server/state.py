@@ -19,6 +19,7 @@ from contextlib import aclosing, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
 from aiohttp import web
 
 from radixserve.config import ServerConfig
