@@ -3,9 +3,6 @@ cached), capped, surviving /flush_cache unless asked, evicted normally once rele
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +13,7 @@ import pytest
 from radixserve import LLM, SamplingParams
 from radixserve.engine.engine import Engine
 from radixserve.ipc.messages import CallResultMsg, ListPinsMsg, PinMsg, UnpinMsg
-from tests.test_server_e2e import free_port, stop, wait_healthy
+from tests.server_proc import running_server
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 PREFIX = [7 + i % 200 for i in range(96)]
@@ -79,20 +76,11 @@ def test_pins_are_capped_and_expire(tiny_llama: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pin_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("pins") / "server.log"
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(tiny_llama),
-           "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "512",
-           "--max-model-len", "256",
-           "--api-key", "tenant", "--admin-key", "admin", "--num-threads", "1"]
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, timeout=180)
-        yield url
-    finally:
-        stop(proc)
+    args = ["--kv-cache-tokens", "512", "--max-model-len", "256", "--api-key", "tenant",
+            "--admin-key", "admin"]
+    with running_server(tiny_llama, log, args) as srv:
+        yield srv.url
 
 
 def http(url: str, method: str, path: str, key: str, body: Any = None) -> tuple[int, Any]:

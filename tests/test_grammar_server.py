@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.test_server_e2e import free_port, stop, wait_healthy
+from tests.server_proc import running_server
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -25,20 +23,10 @@ SCHEMA = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("grammar_server") / "server.log"
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(tiny_llama),
-           "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "8192",
-           "--num-threads", "1"]
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, timeout=180)
-        yield url
-    finally:
-        stop(proc)
-    assert proc.returncode == 0, log.read_text()
+    with running_server(tiny_llama, log, ["--kv-cache-tokens", "8192"]) as srv:
+        yield srv.url
+    assert srv.proc.returncode == 0, srv.output()
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -4,11 +4,6 @@ loopback with the openai SDK and raw aiohttp. One server process for the whole m
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +14,7 @@ import openai
 import orjson
 import pytest
 
+from tests.server_proc import running_server
 from tests.waiting import wait_until, wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -26,59 +22,15 @@ KEY_A, KEY_B = "key-alpha", "key-beta"
 LONG_PROMPT = "You are a careful assistant. " * 12  # ~350 byte tokens
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{log.read_text()}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(tiny_llama),
-           "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "16384",
-           "--api-key", KEY_A, "--max-tokens-cap", "512", "--num-threads", "1",
-           "--enable-kv-events"]
-    env = {**os.environ, "RADIXSERVE_API_KEY": KEY_B}
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, timeout=180)
-        yield url
-    finally:
-        stop(proc)
-    assert proc.returncode == 0, log.read_text()
-    text = log.read_text()
+    args = ["--kv-cache-tokens", "16384", "--api-key", KEY_A, "--max-tokens-cap", "512",
+            "--enable-kv-events"]
+    with running_server(tiny_llama, log, args, env={"RADIXSERVE_API_KEY": KEY_B}) as srv:
+        yield srv.url
+    assert srv.proc.returncode == 0, srv.output()
+    text = srv.output()
     assert "KV cache size: 16384 tokens" in text
     assert "Maximum concurrency for 1024 tokens per request: 16.00x" in text
 

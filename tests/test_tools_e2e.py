@@ -5,8 +5,6 @@ enforcement, and the openai SDK as the client. One server for the module; small 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server_e2e import free_port, stop, wait_healthy
+from tests.server_proc import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -39,20 +37,12 @@ QUESTIONS = ["What is the weather like in Paris?", "What is 12 plus 30?",
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    port = free_port()
     log = tmp_path_factory.mktemp("tools_server") / "server.log"
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", "smollm2-135m",
-           "--port", str(port), "--kv-cache-tokens", "16384", "--max-tokens-cap", "512"]
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, timeout=300)
-        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as sdk:
-            yield sdk
-    finally:
-        stop(proc)
-    assert proc.returncode == 0, log.read_text()
+    args = ["--dtype", "auto", "--kv-cache-tokens", "16384", "--max-tokens-cap", "512"]
+    with running_server("smollm2-135m", log, args) as srv, \
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as sdk:
+        yield sdk
+    assert srv.proc.returncode == 0, srv.output()
 
 
 def chat(client: openai.OpenAI, messages: list[Any], **kwargs: Any) -> Any:
