@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import make_tiny_model  # noqa: E402
+from tests.tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
 
 SOAK_ENV = "RADIXSERVE_SOAK_S"  # seconds of the opt-in soak/chaos runs
 
@@ -50,3 +50,11 @@ def tiny_llama_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", num_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder holding only the test tokenizer: what the fake engine's server loads."""
+    path = tmp_path_factory.mktemp("fake_model")
+    make_tokenizer().save_pretrained(path)
+    return path

@@ -21,17 +21,10 @@ from radixserve.server import serve as serve_mod
 from radixserve.server.app import create_app
 from radixserve.server.state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
-from tests.test_server import GREEDY, TOKENIZER, call
+from tests.test_server import GREEDY, call
 from tests.waiting import wait_until
 
 SLOW = {"prompt": "abcdefgh", "max_tokens": 300, **GREEDY}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fake_model")
-    TOKENIZER.save_pretrained(path)
-    return path
 
 
 @contextlib.asynccontextmanager

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 from aiohttp import web
 
 from radixserve.config import EngineConfig, ServerConfig
@@ -22,18 +21,11 @@ from radixserve.server.bounds import GuardedRunner
 from radixserve.server.serve import drain
 from radixserve.server.state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
-from tests.test_server import GREEDY, TOKENIZER, call, serve
+from tests.test_server import GREEDY, call, serve
 from tests.test_server_limits import wait_idle
 from tests.waiting import wait_until
 
 LONG_RUN = {"prompt": "abcdefgh", "max_tokens": 400, **GREEDY}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fake_model")
-    TOKENIZER.save_pretrained(path)
-    return path
 
 
 async def test_server_request_timeout_aborts_and_frees(model_dir: Path) -> None:

@@ -25,13 +25,6 @@ ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
 C_ID = TOKENIZER.encode("c", add_special_tokens=False)[0]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fake_model")
-    TOKENIZER.save_pretrained(path)
-    return path
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0

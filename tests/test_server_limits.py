@@ -8,20 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 from aiohttp.test_utils import TestClient
 
 from radixserve.kv_events import block_hashes, cache_salt_for_api_key
 from radixserve.server.stats_log import StatsLogger
 from tests.test_server import GREEDY, TOKENIZER, call, serve
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fake_model")
-    TOKENIZER.save_pretrained(path)
-    return path
-
 
 LONG = {"prompt": "a shared system prompt that is long enough", "max_tokens": 2, **GREEDY}
 
