@@ -170,6 +170,19 @@ class MemoryManager:
 
     # ---- accounting ----------------------------------------------------------------------
 
+    def future_tokens(self, req: Req) -> int:
+        """The decode tokens req is expected to still need (the decaying estimate)."""
+        return int(min(req.remain_tokens, 4096) * self.new_token_ratio)
+
+    def reserved_tokens(self, live: list[Req], batch: list[Req], lens: list[int]) -> int:
+        """Tokens promised to admitted requests (`live`, and `batch`: this step's chunks of
+        `lens` tokens): the rest of their prompts beyond this step's chunk (already
+        allocated) and an estimate of their future decode tokens."""
+        this_step = {id(r): n for r, n in zip(batch, lens, strict=True)}
+        promised = live + [r for r in batch if r not in live]
+        return sum(r.extend_len - this_step.get(id(r), 0) + self.future_tokens(r)
+                   for r in promised)
+
     def held_tokens(self, live: list[Req]) -> int:
         return sum(len(r.slots) - r.prefix_len for r in live)
 

@@ -36,6 +36,7 @@ from radixserve.sched.memory import MemoryManager
 from radixserve.sched.pins import PinTable
 from radixserve.sched.policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ReqStatus
+from radixserve.sched.rules import checked_max_new_tokens, stop_reason
 from radixserve.types import (
     FinishReason,
     InvalidRequestError,
@@ -66,8 +67,9 @@ class Scheduler:
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed (chunked)
         self.running: list[Req] = []  # decoding
         self.reqs: dict[str, Req] = {}
-        self.aborted: list[Req] = []  # finished by abort, reported at the next step
-        self.failed: list[tuple[Req, str]] = []  # grammar failed to compile: (req, why)
+        # Finished without a forward (aborted, or its grammar failed to compile: the error),
+        # reported at the next step.
+        self.aborted: list[tuple[Req, str | None]] = []
         self.last_phase = Phase.DECODE
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0,
@@ -78,25 +80,14 @@ class Scheduler:
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
             cache_salt: str = "", priority: int = 0) -> Req:
         """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
-        n = len(prompt_ids)
         if rid in self.reqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max(max_new, 1) > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {n + max_new} tokens ({n} in the prompt, {max_new} in the "
-                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        max_new = checked_max_new_tokens(prompt_ids, params, self.vocab_size, self.max_model_len)
         if params.constraint is not None:
             if self.grammars is None:
                 raise InvalidRequestError("constrained decoding is not available", "constraint")
             self.grammars.request(params.constraint)
-        req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=n, params=params,
+        req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
                   max_new_tokens=max_new, cache_salt=cache_salt, priority=priority,
                   arrival=time.monotonic())
         self.reqs[rid] = req
@@ -107,7 +98,6 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None or req.status is ReqStatus.FINISHED:
             return
-        self.failed = [(r, why) for r, why in self.failed if r is not req]
         if req in self.waiting:
             self.waiting.remove(req)
         else:
@@ -115,11 +105,10 @@ class Scheduler:
             self.mem.release(req)
         self._finish(req, FinishReason.ABORT)
         self.counters["num_aborted_requests"] += 1
-        self.aborted.append(req)
+        self.aborted.append((req, None))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.aborted
-                    or self.failed)
+        return bool(self.waiting or self.prefilling or self.running or self.aborted)
 
     def waiting_on_grammars(self) -> bool:
         """Nothing can run until some grammar compiles (the engine may sleep on it)."""
@@ -197,7 +186,8 @@ class Scheduler:
             cached = matches.get(req.rid, 0)
             if reqs and shares_uncached_prefix(req, cached, reqs):
                 continue
-            reserve = self._reserved_tokens(reqs, lens) + self._future_tokens(req)
+            live = self.running + self.prefilling
+            reserve = self.mem.reserved_tokens(live, reqs, lens) + self.mem.future_tokens(req)
             n = self.mem.admit(req, budget, chunk_cap, reserve,
                                force=not (reqs or self.running or self.prefilling))
             if n == 0:
@@ -219,10 +209,6 @@ class Scheduler:
         if newly:
             for req in self.waiting:  # passed over this round: ages towards the guard
                 req.num_skips += 1
-        for req, _ in self.failed:
-            if req.status is ReqStatus.WAITING:
-                self.waiting.remove(req)
-                self._finish(req, FinishReason.ABORT)
 
     def _grammar_ready(self, req: Req) -> bool:
         """Give req its matcher once its grammar compiled. False while it cannot run."""
@@ -233,22 +219,13 @@ class Scheduler:
         compiled = self.grammars.poll(constraint)
         if compiled is None:
             return False
-        if isinstance(compiled, CompileFailed):
-            if all(r is not req for r, _ in self.failed):
-                self.failed.append((req, compiled.message))
+        if isinstance(compiled, CompileFailed):  # ends here; its client gets a 400
+            self.waiting.remove(req)
+            self._finish(req, FinishReason.ABORT)
+            self.aborted.append((req, f"invalid constraint: {compiled.message}"))
             return False
         req.grammar = compiled.matcher()
         return True
-
-    def _future_tokens(self, req: Req) -> int:
-        return int(min(req.remain_tokens, 4096) * self.mem.new_token_ratio)
-
-    def _reserved_tokens(self, batch: list[Req], lens: list[int]) -> int:
-        """Tokens promised to admitted requests: the rest of their prompts beyond this step's
-        chunk (already allocated) and an estimate of their future decode tokens."""
-        this_step = {id(r): n for r, n in zip(batch, lens, strict=True)}
-        live = self.running + self.prefilling + [r for r in batch if r not in self.prefilling]
-        return sum(r.extend_len - this_step.get(id(r), 0) + self._future_tokens(r) for r in live)
 
     def _schedule_decode(self) -> Batch | None:
         if not self.running:
@@ -313,7 +290,7 @@ class Scheduler:
                 continue  # aborted while its forward ran
             req.token_ids.append(token)
             self.counters["generation_tokens"] += 1
-            reason = self._stop_reason(req, token)
+            reason = stop_reason(req, token, self.eos_token_ids, self.max_model_len)
             if prefill:
                 self.prefilling.remove(req)
                 self.running.append(req)
@@ -327,33 +304,10 @@ class Scheduler:
 
     def drain_aborted(self) -> list[TokenOutput]:
         """Outputs of requests that ended without a forward: aborted, or grammar failed."""
-        outputs = [self._abort_output(r) for r in self.aborted]
+        outputs = [TokenOutput(r.rid, None, FinishReason.ABORT, r.num_prompt_tokens,
+                               r.num_cached_tokens, error=error) for r, error in self.aborted]
         self.aborted.clear()
-        outputs += [self._abort_output(r, f"invalid constraint: {why}") for r, why in self.failed]
-        self.failed.clear()
         return outputs
-
-    def _abort_output(self, req: Req, error: str | None = None) -> TokenOutput:
-        return TokenOutput(req.rid, None, FinishReason.ABORT, req.num_prompt_tokens,
-                           req.num_cached_tokens, error=error)
-
-    def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
-        p = req.params
-        if req.grammar is not None and not req.grammar.accept(token):
-            # The mask allowed only grammar tokens: a bug, not a user error. End this request
-            # rather than the engine.
-            logger.error("%s: token %d outside its grammar: %s", req.rid, token,
-                         req.grammar.error)
-            return FinishReason.STOP
-        if req.num_output_tokens >= p.min_tokens and (
-            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
-        ):
-            return FinishReason.STOP
-        if req.grammar is not None and req.grammar.terminated:
-            return FinishReason.STOP  # the grammar admits nothing more
-        if req.num_output_tokens >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _drop_live(self, req: Req) -> None:
         if req in self.running:
