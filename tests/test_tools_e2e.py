@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -194,3 +195,18 @@ def test_bad_tool_input_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, [{"role": "user", "content": "hi"}], tools=bad)
     assert info.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]
+
+
+def test_readme_agents_example_runs_as_written(client: openai.OpenAI) -> None:
+    """README's openai SDK example, pointed at this server: the calls and checks it promises."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Agents: tool calls and structured output", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://127.0.0.1:30000/v1"' in code
+    code = code.replace("http://127.0.0.1:30000/v1", str(client.base_url))
+    scope: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    assert scope["call"].function.name == "get_weather"
+    assert isinstance(json.loads(scope["call"].function.arguments)["city"], str)
+    assert scope["final"].usage.prompt_tokens_details.cached_tokens > 0
+    jsonschema.validate(json.loads(scope["r"].choices[0].message.content), scope["person"])
