@@ -72,3 +72,27 @@ def test_bad_constraints_are_400_naming_the_field(server: str, sampling: dict[st
     assert status == 400, out
     assert out["error"]["param"] == param
     assert out["error"]["type"] == "invalid_request_error"
+
+
+def test_vllm_and_sglang_extra_body_fields_over_http(server: str) -> None:
+    """What vLLM / SGLang users send through the openai SDK's extra_body."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    model = sdk.models.list().data[0].id
+    chat = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Pick one."}], temperature=0,
+        max_tokens=16, extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    assert chat.choices[0].message.content in ("alpha", "beta", "gamma")
+    completion = sdk.completions.create(model=model, prompt="Code:", temperature=0,
+                                        max_tokens=16,
+                                        extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", completion.choices[0].text)
+    obj = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "JSON please."}], temperature=0,
+        max_tokens=64, extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(obj.choices[0].message.content or ""), SCHEMA)
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                    extra_body={"guided_regex": "(unclosed"})
+    assert err.value.body["param"] == "guided_regex"  # type: ignore[index]

@@ -3,6 +3,7 @@
 Owns: `json_schema` (a JSON-schema object or its JSON text), `regex` (string), `choice` (list
 of strings), `ebnf` (string): at most one, mapped to a Constraint and validated with
 check_constraint, so a bad one is a 400 naming the field before anything is queued.
+`constraint_of` reads one such value; extra_constraints.py uses it for the OpenAI routes.
 Does not know: the engine, tokenizers, HTTP.
 """
 
@@ -14,15 +15,16 @@ import orjson
 
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.grammar.validate import check_constraint
+from radixserve.server.constraint_check import Check
 from radixserve.server.fields import bad
 
 NATIVE_CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "ebnf")
 MAX_CHOICES = 1024
 
 
-def _string(value: Any, name: str) -> str:
+def _string(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value:
-        raise bad(f"'{name}' must be a non-empty string", name)
+        raise bad(f"'{param}' must be a non-empty string", param)
     return value
 
 
@@ -34,23 +36,29 @@ def parse_native_constraint(sp: dict[str, Any]) -> Constraint | None:
     if len(given) > 1:
         raise bad(f"at most one of {', '.join(NATIVE_CONSTRAINT_FIELDS)} may be given, got "
                   f"{' and '.join(given)}", given[1])
-    name = given[0]
-    value = sp[name]
-    if name == "json_schema":
+    return constraint_of(given[0], sp[given[0]], given[0])
+
+
+def constraint_of(kind: str, value: Any, param: str, check: Check = check_constraint
+                  ) -> Constraint:
+    """`value` read as the native field `kind` (one of NATIVE_CONSTRAINT_FIELDS), validated;
+    errors name `param`, the field as the client spelled it."""
+    if kind == "json_schema":
         if isinstance(value, (dict, bool)):
             text = orjson.dumps(value).decode()
         else:
-            text = _string(value, name)
+            text = _string(value, param)
         constraint = Constraint(ConstraintKind.JSON_SCHEMA, text)
-    elif name == "regex":
-        constraint = Constraint(ConstraintKind.REGEX, _string(value, name))
-    elif name == "ebnf":
-        constraint = Constraint(ConstraintKind.EBNF, _string(value, name))
+    elif kind == "regex":
+        constraint = Constraint(ConstraintKind.REGEX, _string(value, param))
+    elif kind == "ebnf":
+        constraint = Constraint(ConstraintKind.EBNF, _string(value, param))
     else:
+        assert kind == "choice", kind
         if not (isinstance(value, list) and value and all(isinstance(s, str) and s for s in value)):
-            raise bad("'choice' must be a non-empty list of non-empty strings", name)
+            raise bad(f"'{param}' must be a non-empty list of non-empty strings", param)
         if len(value) > MAX_CHOICES:
-            raise bad(f"'choice' holds at most {MAX_CHOICES} strings, got {len(value)}", name)
+            raise bad(f"'{param}' holds at most {MAX_CHOICES} strings, got {len(value)}", param)
         constraint = Constraint(ConstraintKind.CHOICE, choices=tuple(dict.fromkeys(value)))
-    check_constraint(constraint, name)
+    check(constraint, param)
     return constraint

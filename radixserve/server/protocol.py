@@ -17,6 +17,7 @@ from radixserve.constraints import Constraint
 from radixserve.grammar.validate import check_constraint
 from radixserve.server.chat_messages import parse_messages
 from radixserve.server.constraint_check import Check
+from radixserve.server.extra_constraints import EXTRA_CONSTRAINT_FIELDS, parse_extra_constraint
 from radixserve.server.fields import (
     bad,
     check_fields,
@@ -52,9 +53,11 @@ _SAMPLING_FIELDS = frozenset({
 })
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
                                      "timeout"}
-COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt", "echo", "logprobs", "response_format"}
-CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "logprobs", "top_logprobs", "response_format",
-                                "tools", "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
+    "prompt", "echo", "logprobs", "response_format"}
+CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
+    "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
                              "timeout"})
 MAX_ABS_PRIORITY = 1_000_000
@@ -195,13 +198,23 @@ def parse_completion(body: Any, check: Check = check_constraint) -> CompletionRe
     prompts = _parse_prompts(body["prompt"])
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     opts = _with_constraint(_parse_options(body, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs),
-                            parse_response_format(body.get("response_format"), check))
+                            _output_constraint(body, check))
     echo = bool(get_bool(body, "echo"))
     if echo and logprobs is not None:
         raise bad("'echo' together with 'logprobs' is not supported (no prompt logprobs)", "echo")
     if len(prompts) * opts.n > MAX_CHOICES:
         raise bad(f"prompts x n must be <= {MAX_CHOICES}", "n")
     return CompletionRequest(prompts, opts, echo)
+
+
+def _output_constraint(body: dict[str, Any], check: Check) -> Constraint | None:
+    """From response_format, or from vLLM's / SGLang's extra fields: one of them at most."""
+    constraint = parse_response_format(body.get("response_format"), check)
+    extra = parse_extra_constraint(body, check)
+    if constraint is not None and extra is not None:
+        raise bad("'response_format' cannot be combined with another output constraint",
+                  "response_format")
+    return constraint or extra
 
 
 def _with_constraint(opts: RequestOptions, constraint: Constraint | None) -> RequestOptions:
@@ -217,11 +230,11 @@ def parse_chat(body: Any, call_format: str = "hermes",
     body = check_fields(body, CHAT_FIELDS)
     parsed = parse_messages(body.get("messages"))
     tools = parse_tools(body, check)
-    constraint = parse_response_format(body.get("response_format"), check)
+    constraint = _output_constraint(body, check)
     tool_constraint = None if tools is None else tools.constraint(call_format)
     if constraint is not None and tool_constraint is not None:
-        raise bad("'response_format' cannot be combined with tools unless 'tool_choice' is "
-                  "\"none\"", "response_format")
+        raise bad("an output constraint ('response_format', ...) cannot be combined with tools "
+                  "unless 'tool_choice' is \"none\"", "response_format")
     want_logprobs = bool(get_bool(body, "logprobs"))
     top = get_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want_logprobs:
