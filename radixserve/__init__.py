@@ -1,6 +1,7 @@
 """radixserve: a prefix-sharing LLM serving engine.
 
-`from radixserve import LLM, SamplingParams` is the offline API. LLM is imported lazily (module
+`from radixserve import LLM, SamplingParams` is the offline API (with `Constraint` for
+structured output). LLM is imported lazily (module
 `__getattr__`), so that importing radixserve.server or the router never imports torch.
 """
 
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from radixserve.constraints import Constraint
 from radixserve.types import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.engine.llm import LLM, RequestOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "Constraint", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,8 +9,11 @@ Does not know: grammar libraries (radixserve/grammar compiles these), HTTP, toke
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 import xxhash
 
 
@@ -58,3 +61,31 @@ class Constraint:
         h = xxhash.xxh3_128()
         h.update(repr((self.kind.value, self.text, self.choices, self.tool_calls)).encode())
         return h.hexdigest()
+
+    # Constructors for the offline API: SamplingParams(constraint=Constraint.json_schema(s)).
+    # They build the same values the HTTP fields do; the engine validates them on add().
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | str) -> Constraint:
+        """JSON valid against `schema` (a schema object, or its JSON text)."""
+        text = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
+        return cls(ConstraintKind.JSON_SCHEMA, text)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls(ConstraintKind.JSON_OBJECT)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        """The whole output matches `pattern`."""
+        return cls(ConstraintKind.REGEX, pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        """The output is exactly one of `options` (duplicates dropped, order kept)."""
+        return cls(ConstraintKind.CHOICE, choices=tuple(dict.fromkeys(options)))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> Constraint:
+        """A grammar in GBNF-style EBNF (`root ::= ...`) or llguidance's Lark syntax."""
+        return cls(ConstraintKind.EBNF, ebnf)

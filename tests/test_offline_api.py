@@ -92,3 +92,46 @@ def test_issue_snippet_with_the_default_model() -> None:
     assert len(chats) == 2 and len(single) == 1
     assert chats[0].token_ids == chats[1].token_ids == single[0].token_ids
     assert single[0].num_cached_tokens > 0  # the same conversation again hits the tree
+
+
+def test_offline_structured_output_constructors(tiny_llama: Path) -> None:
+    import json
+    import re
+
+    import jsonschema
+
+    from radixserve import LLM, Constraint, SamplingParams
+    from radixserve.constraints import ConstraintKind
+    from radixserve.types import InvalidRequestError
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 99}}, "required": ["n"], "additionalProperties": False}
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=4096)
+    params = [SamplingParams(temperature=0, max_tokens=32, constraint=c) for c in (
+        Constraint.json_schema(schema), Constraint.regex("[a-c]{3}"),
+        Constraint.choice(["left", "right", "left"]), Constraint.grammar('root ::= "x" [0-9]'))]
+    outs = llm.generate(["a", "b", "c", "d"], params)
+    assert [o.finish_reason for o in outs] == ["stop"] * 4
+    jsonschema.validate(json.loads(outs[0].text), schema)
+    assert re.fullmatch("[a-c]{3}", outs[1].text)
+    assert outs[2].text in ("left", "right")
+    assert re.fullmatch("x[0-9]", outs[3].text)
+    assert Constraint.json_object() == Constraint(ConstraintKind.JSON_OBJECT)
+    with pytest.raises(InvalidRequestError):
+        llm.generate("a", SamplingParams(constraint=Constraint.regex("(unclosed")))
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_readme_offline_structured_output_snippet() -> None:
+    import json
+
+    import jsonschema
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = readme.split("Offline:\n\n```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    out = scope["out"]
+    assert out.finish_reason == "stop"  # type: ignore[attr-defined]
+    jsonschema.validate(json.loads(out.text), scope["person"])  # type: ignore[attr-defined]
