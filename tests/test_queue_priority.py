@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp import ClientResponse, web
@@ -21,6 +22,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.keys import parse_keys
 from radixserve.server.limits import Admission
 from radixserve.server.state import STATE_KEY
+from tests.server_proc import running_server
 from tests.test_server import GREEDY, TOKENIZER, serve
 from tests.waiting import wait_until
 
@@ -241,3 +243,50 @@ def test_admission_displaces_least_important_newest_first_and_never_partially() 
         assert e.displaced and not a.displaced  # e: same priority as a, but newer
         assert adm.num_queued == 4 - 2 + 1 and g.priority == 1
     assert adm.num_queued == 0 and adm.num_requests == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_displacement_with_the_real_scheduler(tiny_llama: Path, tmp_path: Path) -> None:
+    """`radixserve serve` on the tiny model, one running slot, a queue of 3: the displaced
+    request leaves the engine's waiting queue at once and, at the end, every page is back
+    (free + cached + held == total, nothing held, the engine's own integrity check passes)."""
+    args = ["--max-queue", "3", "--max-running-requests", "1", "--kv-cache-tokens", "4096"]
+    with running_server(tiny_llama, tmp_path / "server.log", args) as server:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+            async def state() -> tuple[int, int]:
+                async with session.get(server.url + "/server_info") as resp:
+                    info = await resp.json()
+                return info["num_queued"], info["stats"].get("num_waiting", 0)
+
+            def send(body: dict[str, Any]) -> Any:
+                return session.post(server.url + "/v1/completions", data=orjson.dumps(body))
+
+            body = {"prompt": "hello there", "max_tokens": 4, "ignore_eos": True, **GREEDY}
+            running = await send({**body, "max_tokens": 900, "stream": True, "priority": 5})
+            assert running.status == 200
+            await running.content.readline()
+            waiting = []
+            for n in (1, 2):
+                waiting.append(asyncio.create_task(send({**body, "priority": 5})))
+                await wait_until(lambda n=n: _is(state(), (1 + n, n)), timeout=60,
+                                 what=f"{n} waiting in the engine")
+            high = asyncio.create_task(send({**body, "priority": -1}))
+            displaced = await waiting[1]
+            assert displaced.status == 429
+            assert (await displaced.json())["error"]["code"] == "queue_full"
+            await wait_until(lambda: _is(state(), (3, 2)), timeout=60,
+                             what="the displaced request gone from the engine")
+            running.close()
+            for task in (waiting[0], high):
+                resp = await task
+                assert resp.status == 200
+                assert (await resp.json())["usage"]["completion_tokens"] == 4
+        idle = server.wait_idle()
+        assert idle["num_aborted_requests"] == 2 and idle["kv_held_tokens"] == 0
+
+        def integrity_ok() -> bool:
+            return server.info()["stats"].get("integrity_ok") is True
+
+        await wait_until(integrity_ok, what="the engine's idle integrity check")
+        assert "Traceback" not in server.output()
