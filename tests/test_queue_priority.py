@@ -5,6 +5,7 @@ Against a real aiohttp server over the fake engine (`max_running` makes requests
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -259,6 +260,9 @@ async def test_displacement_with_the_real_scheduler(tiny_llama: Path, tmp_path: 
                     info = await resp.json()
                 return info["num_queued"], info["stats"].get("num_waiting", 0)
 
+            async def settled(expected: tuple[int, int]) -> bool:
+                return await state() == expected
+
             def send(body: dict[str, Any]) -> Any:
                 return session.post(server.url + "/v1/completions", data=orjson.dumps(body))
 
@@ -269,7 +273,7 @@ async def test_displacement_with_the_real_scheduler(tiny_llama: Path, tmp_path: 
             waiting = []
             for n in (1, 2):
                 waiting.append(asyncio.create_task(send({**body, "priority": 5})))
-                await wait_until(lambda n=n: _is(state(), (1 + n, n)), timeout=60,
+                await wait_until(functools.partial(settled, (1 + n, n)), timeout=60,
                                  what=f"{n} waiting in the engine")
             high = asyncio.create_task(send({**body, "priority": -1}))
             displaced = await waiting[1]
