@@ -7,16 +7,18 @@ import asyncio
 import contextlib
 import functools
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.ipc.client import EngineClient
+from radixserve.server import sse
 from radixserve.server.app import create_app
 from radixserve.server.bounds import GuardedRunner
 from radixserve.server.serve import drain
@@ -190,3 +192,29 @@ async def test_stalled_stream_reader_is_dropped_and_aborted(model_dir: Path) -> 
         idle = await wait_idle(tc)
         assert idle["kv_held_tokens"] == 0 and idle["generation_tokens"] < 64 * 400
         sock.close()
+
+
+async def test_client_gone_mid_stream_ends_the_stream_quietly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write to a client that left raises ConnectionResetError (aiohttp: "Cannot write to
+    closing transport"): the events are closed (aborting the engine work) and the handler
+    returns, so aiohttp logs no "Error handling request" traceback for it."""
+    closed = []
+
+    async def events() -> AsyncGenerator[dict[str, int], None]:
+        try:
+            for i in range(10):
+                yield {"i": i}
+        finally:
+            closed.append(True)
+
+    sent = []
+
+    async def send_within(request: Any, resp: Any, data: bytes) -> None:
+        if sent:
+            raise ConnectionResetError("Cannot write to closing transport")
+        sent.append(data)
+
+    monkeypatch.setattr(sse, "send_within", send_within)
+    resp = await sse.write_sse(make_mocked_request("POST", "/v1/completions"), events())
+    assert resp.status == 200 and len(sent) == 1 and closed == [True]
