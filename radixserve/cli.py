@@ -67,7 +67,7 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
      "close connections idle (or still sending headers) this long"),
     ("--body-timeout", float, "body_timeout", "408 when a request body takes longer to arrive"),
     ("--send-timeout", float, "send_timeout",
-     "drop a streaming client that accepts no bytes for this long"),
+     "drop a client that accepts no response bytes for this long (streams and large answers)"),
     ("--shutdown-timeout", float, "shutdown_timeout",
      "SIGTERM: seconds in-flight requests get to finish"),
 ]
