@@ -33,7 +33,7 @@ async def test_client_gone_mid_stream_ends_the_stream_quietly(
     """A write to a client that left raises ConnectionResetError (aiohttp: "Cannot write to
     closing transport"): the events are closed (aborting the engine work) and the handler
     returns, so aiohttp logs no "Error handling request" traceback for it."""
-    closed = []
+    closed: list[bool] = []
 
     async def events() -> AsyncGenerator[dict[str, int], None]:
         try:
@@ -42,7 +42,7 @@ async def test_client_gone_mid_stream_ends_the_stream_quietly(
         finally:
             closed.append(True)
 
-    sent = []
+    sent: list[bytes] = []
 
     async def send_within(request: Any, resp: Any, data: bytes) -> None:
         if sent:
