@@ -53,7 +53,8 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--max-tokens-cap", int, "max_tokens_cap", "reject max_tokens above this; cap unset ones"),
     ("--max-input-tokens", int, "max_input_tokens", "reject longer prompts"),
     ("--max-concurrent-per-key", int, "max_concurrent_per_key", "429 past this per API key"),
-    ("--max-queue", int, "max_queue", "429 (Retry-After) past this many queued requests"),
+    ("--max-queue", int, "max_queue", "429 (Retry-After) past this many queued requests, to "
+     "the least important: a waiting one with a larger priority gives way"),
     ("--log-stats-interval", float, "log_stats_interval", "seconds between stats log lines"),
     ("--tool-call-parser", str, "tool_call_parser",
      f"how the model writes tool calls: {' | '.join(TOOL_CALL_PARSERS)}"),
@@ -66,7 +67,7 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
      "close connections idle (or still sending headers) this long"),
     ("--body-timeout", float, "body_timeout", "408 when a request body takes longer to arrive"),
     ("--send-timeout", float, "send_timeout",
-     "drop a streaming client that accepts no bytes for this long"),
+     "drop a client that accepts no response bytes for this long (streams and large answers)"),
     ("--shutdown-timeout", float, "shutdown_timeout",
      "SIGTERM: seconds in-flight requests get to finish"),
 ]

@@ -110,7 +110,7 @@ class ServerConfig:
     max_connections: int = 2048  # open client connections; past it: 503 and close
     keepalive_timeout: float = 15.0  # idle (or still sending its headers) connection: closed
     body_timeout: float = 30.0  # a request body not fully received by then: 408
-    send_timeout: float = 30.0  # a streaming client that accepts no bytes this long: dropped
+    send_timeout: float = 30.0  # a client that accepts no bytes this long: dropped
     shutdown_timeout: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     restart_engine: bool = False  # engine died: restart it (with backoff) instead of exiting 1
     engine: EngineConfig = field(default_factory=EngineConfig)

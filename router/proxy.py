@@ -3,9 +3,11 @@
 Owns: the retry rule and the passthrough. A request that fails before any response byte is
 relayed is retried on another worker, at most `max_retries` times, sleeping 50 ms x 1.5^n
 between tries: a connection failure (refused, reset, timed out connecting) or a 5xx answer
-(not ready, draining, engine dead or failed) marks the worker suspect; a 429 (that replica's
-queue or rate limit) just moves on. When no other worker is left, the last such answer is
-passed through as it stands. Once the status line of a 2xx-4xx answer has been relayed,
+(not ready, draining, engine dead or failed) marks the worker suspect; a 429 for a full
+queue (`queue_full`, or no code) just moves on. A 429 for the caller's own per-key limit
+(`rate_limit_exceeded`, `concurrency_limit_exceeded`) is relayed as it stands: retrying it on
+another replica would multiply the key's limits by the number of replicas. When no other
+worker is left, the last retryable answer is passed through as it stands. Once the status line of a 2xx-4xx answer has been relayed,
 bytes go to the client chunk by chunk and are never retried; an upstream failure reaches the
 client as it stands: the connection is dropped, so it sees a truncated response, never a
 short "complete" one. In-flight counts are decremented in `finally`. Does not know: policies
@@ -67,9 +69,24 @@ class Attempt(NamedTuple):
     suspect: bool = True  # the worker looks broken (not just busy)
 
 
+# 429 codes (radixserve's, as OpenAI's) that refuse the caller, not the replica.
+PER_KEY_LIMIT_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded"})
+
+
 def retryable(status: int) -> bool:
     """Answers worth another replica: it failed (5xx) or is over its limits (429)."""
     return status >= 500 or status == 429
+
+
+def per_key_limit(status: int, body: bytes) -> bool:
+    """A 429 that the caller's own limit caused (the same key is limited everywhere)."""
+    if status != 429:
+        return False
+    try:
+        error = orjson.loads(body).get("error")
+        return isinstance(error, dict) and error.get("code") in PER_KEY_LIMIT_CODES
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
 
 
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
@@ -118,6 +135,8 @@ async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker:
             fallback = web.Response(status=upstream.status, body=data,
                                     headers=_passthrough_headers(upstream.headers,
                                                                  keep_length=False))
+            if per_key_limit(upstream.status, data):
+                return Attempt(fallback, None, None)  # relayed: no replica would differ
             return Attempt(None, f"answered {upstream.status}", fallback,
                            suspect=upstream.status != 429)
         return Attempt(await _relay(request, upstream, worker), None, None)

@@ -175,7 +175,8 @@ def test_token_id_range() -> None:
 
 def test_priority_field_on_every_route() -> None:
     assert parse_completion({"prompt": "a", "priority": -2}).opts.priority == -2
-    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}).opts.priority == 0
+    # Not given: None (the caller's key decides; 0 without keys), see test_queue_priority.py.
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}).opts.priority is None
     assert parse_generate({"text": "a", "priority": 7}).opts.priority == 7
     for bad_value in ("high", 1.5, 10**9, True):
         with pytest.raises(InvalidRequestError) as err:

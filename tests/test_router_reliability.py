@@ -119,8 +119,9 @@ async def test_precise_mode_follows_replicas_that_use_api_keys(tmp_path: Path) -
 class StatusWorker:
     """A worker that answers every generation request with one fixed status."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, code: str | None = None) -> None:
         self.status = status
+        self.code = code
         self.num_requests = 0
         self.app = web.Application()
         self.app.router.add_post("/v1/completions", self._answer)
@@ -133,16 +134,20 @@ class StatusWorker:
         self.num_requests += 1
         await request.read()
         return web.json_response({"error": {"message": "no", "type": "x", "param": None,
-                                            "code": None}}, status=self.status,
+                                            "code": self.code}}, status=self.status,
                                  headers={"Retry-After": "1"})
 
 
-@pytest.mark.parametrize("status, retried, suspect", [
-    (500, True, True), (502, True, True), (429, True, False), (400, False, False),
-    (404, False, False)])
-async def test_retries_before_first_byte_only_on_5xx_and_429(status: int, retried: bool,
+@pytest.mark.parametrize("status, code, retried, suspect", [
+    (500, None, True, True), (502, None, True, True), (429, None, True, False),
+    (429, "queue_full", True, False), (400, None, False, False), (404, None, False, False),
+    # The caller's own per-key limit: relayed, or every replica would grant the key its rpm.
+    (429, "rate_limit_exceeded", False, False), (429, "concurrency_limit_exceeded", False,
+                                                 False)])
+async def test_retries_before_first_byte_only_on_5xx_and_429(status: int, code: str | None,
+                                                             retried: bool,
                                                              suspect: bool) -> None:
-    bad = StatusWorker(status)
+    bad = StatusWorker(status, code)
     bad_runner, bad_url = await start_app(bad.app)
     cfg = dataclasses.replace(FAST, policy=PolicyName.ROUND_ROBIN, health_interval_s=60.0)
     try:
@@ -160,12 +165,13 @@ async def test_retries_before_first_byte_only_on_5xx_and_429(status: int, retrie
             if retried:
                 assert statuses == [200] * 4
             else:
-                assert statuses.count(status) == bad.num_requests
+                assert statuses.count(status) == bad.num_requests >= 1
             # Alone, a retryable answer comes back as it stands once no worker is left.
             await router.remove_worker(c.replicas[0].url)
             worker.suspect = False
             async with s.post(f"{c.url}/v1/completions", json={"prompt": "q"}) as r:
-                assert r.status == status and "error" in await r.json()
+                assert r.status == status and (await r.json())["error"]["code"] == code
+                assert r.headers["Retry-After"] == "1"
     finally:
         await bad_runner.cleanup()
 

@@ -69,6 +69,7 @@ def test_readme_keys_file_example_is_valid(tmp_path: Path) -> None:
     entries = load_keys_file(path)
     assert [e.name for e in entries] == ["alice", "batch"]
     assert entries[0].limits == KeyLimits(60, 40000, 4, 512, 4096)
+    assert [e.priority for e in entries] == [0, 10]
 
 
 @pytest.mark.parametrize("keys, needle", [

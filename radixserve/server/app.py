@@ -19,7 +19,7 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import KVEventPublisher
-from radixserve.server.bounds import BODY_TIMEOUT_KEY, SEND_TIMEOUT_KEY
+from radixserve.server.bounds import BODY_TIMEOUT_KEY, SEND_TIMEOUT_KEY, bounded_send
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
 from radixserve.server.routes_cache import add_cache_routes
@@ -101,7 +101,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     with it; until it is ready, /health answers 503 and generation routes 503.
     Raises ConfigError when the API keys file is invalid."""
     app = web.Application(client_max_size=max_body_bytes or cfg.max_body_bytes,
-                          middlewares=[error_middleware, auth_middleware])
+                          middlewares=[bounded_send, error_middleware, auth_middleware])
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout

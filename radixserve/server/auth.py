@@ -31,6 +31,16 @@ class Caller:
     limits: KeyLimits
     cache_salt: str
     admin: bool = False
+    priority: int | None = None  # the key's priority: its default and floor (None: no floor)
+
+    def priority_for(self, requested: int | None) -> int:
+        """A request's effective priority (lower = more important). Without its own it gets
+        the key's; with its own it may be less important than the key's, never more: a
+        tenant cannot jump ahead of others by claiming a priority its key was not given.
+        Without keys (or with the admin key) the request's own value stands, default 0."""
+        if self.priority is None:
+            return 0 if requested is None else requested
+        return self.priority if requested is None else max(requested, self.priority)
 
 
 ANONYMOUS_CALLER = Caller(ANONYMOUS, NO_LIMITS, "")
@@ -38,7 +48,8 @@ ADMIN_NAME = "admin"
 
 
 def flag_entries(keys: Sequence[str]) -> list[KeyEntry]:
-    """`--api-key` keys are named key-1, key-2, ... in the order given; no per-key limits."""
+    """`--api-key` keys are named key-1, key-2, ... in the order given; no per-key limits,
+    priority 0."""
     return [KeyEntry(f"key-{i}", digest_key(k), NO_LIMITS) for i, k in enumerate(keys, 1)]
 
 
@@ -49,8 +60,9 @@ class ApiKeys:
         accepted as a key named "admin" that may use admin routes."""
         self._flag_entries = flag_entries(keys)
         if admin_key:
+            # The operator's key: its requests may set any priority.
             self._flag_entries.append(KeyEntry(ADMIN_NAME, digest_key(admin_key), NO_LIMITS,
-                                               admin=True))
+                                               admin=True, priority=None))
         self._keys_file = None if keys_file is None else Path(keys_file)
         self._shared_cache = shared_cache
         self._entries: tuple[KeyEntry, ...] = ()
@@ -101,7 +113,7 @@ class ApiKeys:
         salt = "" if self._shared_cache else cache_salt_for_api_key(token)
         if salt:
             self._salt_names[salt] = found.name
-        return Caller(found.name, found.limits, salt, found.admin)
+        return Caller(found.name, found.limits, salt, found.admin, found.priority)
 
     def cache_salt(self, key: str) -> str:
         """The cache namespace requests with `key` use ("" when shared or auth is off)."""

@@ -3,8 +3,8 @@
 Owns: the deadline wrapper around a request's event stream (408 and an abort, so the engine
 frees the request's pages), reading a body with a size cap (413) and a time cap (408, against
 bodies trickled byte by byte), a send timeout for streams (a client that stops reading is
-dropped), and GuardedRunner: an AppRunner that refuses connections past a
-cap (503, then close). Idle connections, and ones still sending their headers, are closed by
+dropped; `bounded_send` does the same for a plain response's body), and GuardedRunner: an
+AppRunner that refuses connections past a cap (503, then close). Idle connections, and ones still sending their headers, are closed by
 aiohttp's keepalive timeout (set by the caller), which runs from the moment a connection opens.
 Does not know: routes, the engine, OpenAI's formats.
 """
@@ -27,6 +27,9 @@ logger = logging.getLogger("radixserve.server")
 
 BODY_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("radixserve_body_timeout", float)
 SEND_TIMEOUT_KEY: web.AppKey[float] = web.AppKey("radixserve_send_timeout", float)
+# A body this small fits under the transport's high-water mark (asyncio: 64 KiB): its write
+# never waits for the client, and the keep-alive timeout closes the connection if it stalls.
+SMALL_BODY_BYTES = 64 * 1024
 _OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                   b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
 
@@ -84,6 +87,51 @@ async def send_within(request: web.Request, resp: web.StreamResponse, data: byte
         if request.transport is not None:
             request.transport.abort()
         raise ConnectionResetError("the client stopped reading; connection dropped") from None
+
+
+async def _finish_within(request: web.Request, resp: web.Response, timeout: float) -> None:
+    """Send `resp` whole, dropping the connection when the client takes no bytes (the
+    transport's write buffer does not change) for `timeout` seconds."""
+    transport = request.transport
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(_send_whole(request, resp))
+    tick = max(0.01, timeout / 4)
+    last_size, last_progress = -1, loop.time()
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=tick)
+            size = transport.get_write_buffer_size() if transport is not None else 0
+            if size != last_size:
+                last_size, last_progress = size, loop.time()
+            elif not task.done() and loop.time() - last_progress >= timeout:
+                logger.info("dropped a client that took no response bytes for %g s", timeout)
+                if transport is not None:
+                    transport.abort()
+                break
+    finally:
+        if not task.done():
+            task.cancel()
+        # A write to a client that left raises a ConnectionError: nobody to tell.
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _send_whole(request: web.Request, resp: web.Response) -> None:
+    await resp.prepare(request)
+    await resp.write_eof()
+
+
+@web.middleware
+async def bounded_send(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Send a plain response here, under the send timeout, rather than after the handler in
+    aiohttp (whose write of the body waits for the client as long as it takes: a client that
+    never reads a large JSON answer would hold its connection and the body's memory for ever).
+    Streams (SSE) bound each of their own writes (send_within)."""
+    resp: web.StreamResponse = await handler(request)
+    timeout = request.app.get(SEND_TIMEOUT_KEY)
+    if (timeout is not None and isinstance(resp, web.Response) and not resp.prepared
+            and (resp.content_length or 0) > SMALL_BODY_BYTES):
+        await _finish_within(request, resp, timeout)
+    return resp  # aiohttp's own prepare / write_eof find it sent: no-ops
 
 
 class GuardedRunner(web.AppRunner):

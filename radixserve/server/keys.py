@@ -15,6 +15,8 @@ Format (TOML shown; JSON is the same object: {"keys": [{...}, ...]}):
     max_concurrency = 4         # requests in flight at once
     max_tokens = 512            # cap on a request's max_tokens
     max_input_tokens = 4096     # cap on a prompt's length
+    priority = 5                # default request priority, and the most important one the key
+                                # may ask for (lower = more important; default 0)
 Every limit is optional (absent: only the server-wide flags apply).
 """
 
@@ -56,7 +58,8 @@ class KeyLimits:
 
 
 LIMIT_FIELDS = frozenset(f.name for f in fields(KeyLimits))
-ENTRY_FIELDS = LIMIT_FIELDS | {"name", "key", "key_sha256"}
+ENTRY_FIELDS = LIMIT_FIELDS | {"name", "key", "key_sha256", "priority"}
+MAX_ABS_PRIORITY = 1_000_000  # the bound on a request's `priority` too (protocol.py)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class KeyEntry:
     digest: bytes  # sha256 of the key
     limits: KeyLimits
     admin: bool = False  # the server's --admin-key: may use admin routes (cache pins)
+    # A request without its own priority gets this one; a request may ask for a less
+    # important one (larger), never a more important one. None: no floor (the admin key).
+    priority: int | None = 0
 
 
 def _entry(raw: Any, i: int) -> KeyEntry:
@@ -93,7 +99,12 @@ def _entry(raw: Any, i: int) -> KeyEntry:
         limits = KeyLimits(**{k: raw[k] for k in LIMIT_FIELDS if k in raw})
     except ConfigError as err:
         raise ConfigError(f"{where} ({name}): {err}") from None
-    return KeyEntry(name, digest, limits)
+    priority = raw.get("priority", 0)
+    if (not isinstance(priority, int) or isinstance(priority, bool)
+            or abs(priority) > MAX_ABS_PRIORITY):
+        raise ConfigError(f"{where} ({name}): 'priority' must be an integer in "
+                          f"[-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}], got {priority!r}")
+    return KeyEntry(name, digest, limits, priority=priority)
 
 
 def parse_keys(data: Any) -> list[KeyEntry]:

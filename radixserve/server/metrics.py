@@ -109,6 +109,10 @@ class ServerMetrics:
         self.key_generation_tokens = Counter(
             PREFIX + "api_key_generation_tokens", "Generated tokens, by API key name.",
             ["key_name"], registry=self.registry)
+        self.requests_displaced = Counter(
+            PREFIX + "requests_displaced", "Waiting requests refused (429 queue_full) after "
+            "admission to make room for a more important one, by API key name.", ["key_name"],
+            registry=self.registry)
         self.engine_restarts = Counter(
             PREFIX + "engine_restarts", "Times the engine process was restarted after dying.",
             registry=self.registry)

@@ -28,6 +28,7 @@ from radixserve.server.fields import (
     is_int,
     parse_token_ids,
 )
+from radixserve.server.keys import MAX_ABS_PRIORITY
 from radixserve.server.native_constraints import NATIVE_CONSTRAINT_FIELDS, parse_native_constraint
 from radixserve.server.response_format import parse_response_format
 from radixserve.server.tools import ToolsSpec, parse_tools
@@ -60,7 +61,6 @@ CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "parallel_tool_calls"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
                              "timeout"})
-MAX_ABS_PRIORITY = 1_000_000
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
 }
@@ -76,7 +76,9 @@ class RequestOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    priority: int = 0  # lower = more important (vLLM); orders admission, preemption, eviction
+    # Lower = more important (vLLM); orders admission, preemption, eviction, and who a full
+    # queue refuses. None: not given (the caller's key decides; auth.Caller.priority_for).
+    priority: int | None = None
     timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
 
 
@@ -157,7 +159,7 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         check_fields(stream_options, frozenset({"include_usage"}), "stream_options")
         include_usage = bool(get_bool(stream_options, "include_usage", "stream_options"))
-    priority = get_int(body, "priority", lo=-MAX_ABS_PRIORITY, hi=MAX_ABS_PRIORITY) or 0
+    priority = get_int(body, "priority", lo=-MAX_ABS_PRIORITY, hi=MAX_ABS_PRIORITY)
     timeout = get_float(body, "timeout")
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")

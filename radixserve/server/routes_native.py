@@ -20,7 +20,7 @@ from aiohttp import web
 from radixserve.ipc.client import EngineState
 from radixserve.server.errors import APIError, json_response
 from radixserve.server.fields import check_fields, get_bool
-from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
+from radixserve.server.generation import ChoiceChunk, ChoiceJob
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.protocol import parse_generate
 from radixserve.server.sse import write_sse
@@ -58,8 +58,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         request[PREVIEW_FIELD] = req.prompt
     (job,) = state.caller_jobs(request, [prompt], req.opts, "text")
     with state.admit(request, [job]) as ticket:
-        chunks = state.with_deadline(merge_streams([state.stream(job, arrival, ticket)]),
-                                     arrival, req.opts.timeout)
+        chunks = state.outputs([job], arrival, ticket, req.opts.timeout)
         events = _generate_events(job, chunks)
         if req.opts.stream:
             return await write_sse(request, events)

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.server.errors import json_response
-from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams
+from radixserve.server.generation import ChoiceChunk, ChoiceJob
 from radixserve.server.protocol import parse_chat, parse_completion
 from radixserve.server.sse import write_sse
 from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, ServerState, read_json
@@ -103,8 +103,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(list(p)) for p in req.prompts]
     want_lp = req.opts.params.logprobs is not None
     with state.admit(request, jobs) as ticket:
-        chunks = state.with_deadline(merge_streams([state.stream(j, arrival, ticket)
-                                                    for j in jobs]), arrival, req.opts.timeout)
+        chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         events = _completion_events(state, jobs, chunks, echo, want_lp)
         if req.opts.stream:
             return await write_sse(request, _with_usage(events, req.opts.include_usage))
@@ -173,8 +172,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # Tool calls are read back from the output unless tool_choice is "none" (or no tools).
     calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
     with state.admit(request, jobs) as ticket:
-        chunks = state.with_deadline(merge_streams([state.stream(j, arrival, ticket)
-                                                    for j in jobs]), arrival, req.opts.timeout)
+        chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         if req.opts.stream:
             events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
                                   calls)

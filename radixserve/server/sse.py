@@ -47,7 +47,10 @@ async def write_sse(request: web.Request,
             async for event in iterator:
                 await send_within(request, resp, sse_event(event))
         except ConnectionResetError:
-            raise  # the client is gone; leaving `aclosing` aborts the engine work
+            # The client is gone (or was dropped for not reading): leaving `aclosing` aborts
+            # the engine work. Returned, not raised: aiohttp would log a raised one as an
+            # error with a traceback, and a client leaving mid-stream is no server error.
+            return resp
         except Exception as exc:
             api_err = to_api_error(exc)
             if api_err is None:  # a bug: the status line is out, so report it in-band

@@ -29,9 +29,9 @@ from radixserve.server.bounds import deadline_events
 from radixserve.server.bounds import read_json as read_json  # re-exported for routes
 from radixserve.server.constraint_check import ConstraintChecker
 from radixserve.server.errors import APIError
-from radixserve.server.generation import ChoiceChunk, ChoiceJob, stream_choice
+from radixserve.server.generation import ChoiceChunk, ChoiceJob, merge_streams, stream_choice
 from radixserve.server.keys import KeyLimits
-from radixserve.server.limits import Admission, Ticket
+from radixserve.server.limits import Admission, Ticket, displaceable
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import PromptInput, RequestOptions, check_token_ids
 from radixserve.server.tool_parsers import get_format
@@ -82,7 +82,8 @@ class ServerState:
                             admin_key=cfg.admin_key if keyed else None)
         self.metrics = ServerMetrics(lambda: self.client.stats, self.auth.salt_name)
         self.admission = Admission(cfg.max_concurrent_per_key, cfg.max_queue,
-                                   on_refused=self._count_refused)
+                                   on_refused=self._count_refused,
+                                   on_displaced=self._count_displaced)
         self.draining = False  # SIGTERM: new requests get 503, in-flight ones finish
         self.started = time.time()
         self.tokenizer: Any = None
@@ -123,6 +124,9 @@ class ServerState:
 
     def _count_refused(self, key_name: str, code: str) -> None:
         self.metrics.key_refused.labels(key_name or "anonymous", code).inc()
+
+    def _count_displaced(self, ticket: Ticket) -> None:
+        self.metrics.requests_displaced.labels(ticket.caller.name or "anonymous").inc()
 
     def ensure_ready(self) -> None:
         if self.draining:
@@ -208,13 +212,14 @@ class ServerState:
                 if params.seed is not None and i:
                     choice_params = dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
                 jobs.append(ChoiceJob(len(jobs), p_idx, uuid.uuid4().hex, tuple(ids),
-                                      choice_params, opts.stop, salt, opts.priority))
+                                      choice_params, opts.stop, salt, opts.priority or 0))
         return jobs
 
     def caller_jobs(self, request: web.Request, prompts: Sequence[list[int]],
                     opts: RequestOptions, param: str) -> list[ChoiceJob]:
-        """make_jobs under the caller's cache namespace and per-key caps."""
+        """make_jobs under the caller's cache namespace, per-key caps and priority."""
         caller = request_caller(request)
+        opts = dataclasses.replace(opts, priority=caller.priority_for(opts.priority))
         return self.make_jobs(prompts, opts, caller.cache_salt, param, caller.limits)
 
     @contextmanager
@@ -225,7 +230,8 @@ class ServerState:
                            headers={"Retry-After": "1"})
         caller = request_caller(request)
         charged = sum(len(j.prompt_ids) + (j.params.max_tokens or 0) for j in jobs)
-        with self.admission.admit(caller, len(jobs), charged) as ticket:
+        priority = jobs[0].priority if jobs else 0  # the same for every choice
+        with self.admission.admit(caller, len(jobs), charged, priority) as ticket:
             name = caller.name or "anonymous"
             self.metrics.key_requests.labels(name).inc()
             self.metrics.key_prompt_tokens.labels(name).inc(
@@ -244,6 +250,14 @@ class ServerState:
             "(%d chars)", request.method, request.path, caller.name or "-", len(jobs),
             [len(j.prompt_ids) for j in jobs][:4], jobs[0].params.max_tokens if jobs else None,
             shown, len(preview))
+
+    def outputs(self, jobs: Sequence[ChoiceJob], arrival: float, ticket: Ticket,
+                timeout: float | None) -> AsyncGenerator[ChoiceChunk, None]:
+        """An admitted request's choices as one stream: displaceable until its first output
+        (a full queue may give its place to a more important request: 429), cut off at its
+        deadline."""
+        merged = merge_streams([self.stream(j, arrival, ticket) for j in jobs])
+        return self.with_deadline(displaceable(merged, ticket), arrival, timeout)
 
     def stream(self, job: ChoiceJob, arrival: float,
                ticket: Ticket | None = None) -> AsyncGenerator[ChoiceChunk, None]:

@@ -48,12 +48,15 @@ class FakeEngine:
     and drawn from Random(seed) otherwise. EOS / stop_token_ids / max_tokens / min_tokens /
     ignore_eos behave as in the real engine. `fail_at_step` makes step() raise (crash tests);
     `start_delay` makes construction slow and `start_error` makes it fail (start-up tests).
+    `max_running` caps the requests that run at once: the rest wait, in arrival order, holding
+    no KV and producing nothing (queueing tests).
     """
 
     def __init__(self, cfg: EngineConfig, *, step_delay: float = 0.0,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int = 512,
                  kv_cache_tokens: int = 8192, fail_at_step: int | None = None,
-                 start_delay: float = 0.0, start_error: str | None = None) -> None:
+                 start_delay: float = 0.0, start_error: str | None = None,
+                 max_running: int | None = None) -> None:
         time.sleep(start_delay)  # a model that takes a while to load
         if start_error is not None:
             raise RuntimeError(start_error)
@@ -63,6 +66,7 @@ class FakeEngine:
         self.eos_token_ids = eos_token_ids
         self._step_delay = step_delay
         self._fail_at_step = fail_at_step
+        self._max_running = max_running
         self._num_steps = 0
         self._running: dict[str, _FakeReq] = {}
         self._cached: dict[str, list[tuple[int, ...]]] = {}  # salt -> cached sequences
@@ -138,6 +142,11 @@ class FakeEngine:
             logprobs = TokenLogprobs(-0.25, top)
         return TokenOutput(req.msg.rid, token, reason, len(prompt), req.num_cached, logprobs)
 
+    def _active(self) -> list[_FakeReq]:
+        """The requests that run this step: the first `max_running` not aborted."""
+        live = [r for r in self._running.values() if not r.aborted]
+        return live if self._max_running is None else live[: self._max_running]
+
     def step(self) -> list[TokenOutput]:
         self._num_steps += 1
         if self._fail_at_step is not None and self._num_steps >= self._fail_at_step:
@@ -145,13 +154,16 @@ class FakeEngine:
         if self._step_delay:
             time.sleep(self._step_delay)
         outputs = []
+        active = {id(r) for r in self._active()}
         for req in list(self._running.values()):
             if req.aborted:
                 out = TokenOutput(req.msg.rid, None, FinishReason.ABORT, len(req.msg.prompt_ids),
                                   req.num_cached)
-            else:
+            elif id(req) in active:
                 out = self._next(req)
                 self._counters["generation_tokens"] += 1
+            else:
+                continue  # waiting for a running slot
             outputs.append(out)
             if out.finish_reason is not None:
                 del self._running[req.msg.rid]
@@ -179,17 +191,19 @@ class FakeEngine:
         return True
 
     def stats(self) -> dict[str, Any]:
-        held = sum(len(r.msg.prompt_ids) + len(r.output_ids) for r in self._running.values())
+        active = self._active()
+        held = sum(len(r.msg.prompt_ids) + len(r.output_ids) for r in active)
         cached = min(sum(len(s) for seqs in self._cached.values() for s in seqs),
                      self.kv_total - held)
         return {
-            "num_running": len(self._running), "num_waiting": 0,
+            "num_running": len(active),
+            "num_waiting": sum(not r.aborted for r in self._running.values()) - len(active),
             "kv_free_tokens": self.kv_total - held - cached, "kv_cached_tokens": cached,
             "kv_held_tokens": held, "kv_total_tokens": self.kv_total, **self._counters,
         }
 
     def check_integrity(self) -> None:
-        held = sum(len(r.msg.prompt_ids) + len(r.output_ids) for r in self._running.values())
+        held = sum(len(r.msg.prompt_ids) + len(r.output_ids) for r in self._active())
         assert 0 <= held <= self.kv_total, f"held {held} of {self.kv_total}"
 
     def drain_cache_events(self) -> list[Any]:
