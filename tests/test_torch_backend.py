@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
+from radixserve.attention.cpu_kernels import load_paged_decode
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.sampler import Sampler
 from radixserve.model.cpu_linear import GatedMLP, Linear, can_prepack, make_linear
@@ -128,8 +129,13 @@ CASES = {
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
-                                               consecutive: bool, device: str) -> None:
+                                               consecutive: bool, device: str,
+                                               kernel: str) -> None:
+    """kernel "native": decode-only batches through csrc/paged_decode.cpp (CPU only)."""
+    if kernel == "native" and device != "cpu":
+        pytest.skip("the native kernel is CPU-only")
     phase, prefix_lens, extend_lens, groups = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
@@ -142,8 +148,20 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
     q = torch.randn(T, HKV * G + HKV, D, generator=gen).to(device, dtype)[:, : HKV * G]
     k = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
     v = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
-    backend = TorchAttentionBackend()
+    calls = []
+    op = load_paged_decode() if kernel == "native" else None
+    if kernel == "native":
+        assert op is not None  # the build works here: it is under test
+
+        def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append(1)
+            assert op is not None
+            return op(*args)
+
+    backend = TorchAttentionBackend(counted if kernel == "native" else None)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    # decode batches go through the kernel; extends (and mixed steps with short extends) not
+    assert len(calls) == (kernel == "native" and phase == Phase.DECODE)
     assert torch.equal(k_cache[meta.out_slots], k) and torch.equal(v_cache[meta.out_slots], v)
     ref = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), build_meta(
         phase, prefix_lens, extend_lens, table, groups, "cpu"), D**-0.5)
@@ -163,7 +181,7 @@ def test_prepacked_linear_and_fused_mlp_match_f_linear(dtype: torch.dtype, tol: 
     gate_up = (torch.randn(2 * 80, 64, generator=gen) * 0.1).to(dtype)
     down = (torch.randn(64, 80, generator=gen) * 0.1).to(dtype)
     lin, lin_b, mlp = Linear(w), Linear(w, bias), GatedMLP(gate_up, down)
-    if torch.backends.mkldnn.is_available() and (
+    if torch._C._has_mkldnn and (
             dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         assert can_prepack(w.device, dtype)
         # the fast path is under test, and it holds no plain copy of the weights
