@@ -122,6 +122,10 @@ CASES = {
                                            [([0, 1], 64)]),
     "mixed, decodes + long chunks": (Phase.EXTEND, [70, 0, 75, 40, 66], [1, 80, 1, 100, 4],
                                      [([0, 2, 4], 64)]),
+    # longer than CAUSAL_CHUNK: query chunks, each merged with the tokens before it
+    "extend, long chunk in query chunks": (Phase.EXTEND, [0, 0], [600, 257], []),
+    "extend, query chunks after a prefix": (Phase.EXTEND, [100, 64, 64], [300, 2, 520],
+                                            [([1, 2], 64)]),
 }
 
 

@@ -13,8 +13,11 @@ None and the caller keeps its torch path.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,9 +26,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-# The extension's name carries the source's version: a changed kernel gets a fresh build
-# instead of a stale cached one (torch also rebuilds on a source hash change).
-EXT_NAME = "radixserve_paged_decode_v2"
+# The extension's name carries the source's version (a changed kernel gets a fresh build; torch
+# also rebuilds on a source hash change) and the CPU's flags: the build is -march=native, so
+# a cache directory shared with another kind of CPU must not hand it a binary it cannot run.
+EXT_BASE = "radixserve_paged_decode_v2"
+# -ffast-math lets gcc vectorize the softmax's exp (glibc's libmvec). It is passed to the
+# compile step only: a link with it would add crtfastmath (flush-to-zero for the whole process).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the torch path)
 
@@ -44,6 +50,17 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def _cpu_tag() -> str:
+    """A short digest of this CPU's feature flags (/proc/cpuinfo; the machine type elsewhere)."""
+    flags = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
 def _registered() -> bool:
     return hasattr(torch.ops.radixserve, "paged_decode")
 
@@ -57,7 +74,7 @@ def load_paged_decode() -> PagedDecode | None:
             from torch.utils.cpp_extension import load
 
             _ninja_on_path()
-            load(name=EXT_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            load(name=f"{EXT_BASE}_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                  is_python_module=False, verbose=False)
         except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
             logger.warning("CPU paged decode kernel unavailable (%s: %s); using torch",
