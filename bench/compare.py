@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.metrics import BenchSummary
+from bench.proc_cpu import group_cpu_seconds
 from bench.serving import BenchError, BenchRun, add_client_args, client_config, run_benchmark
 from bench.serving import write_json as _write_json
 from bench.workloads import Workload, add_workload_args, build_workload, spec_from_args
@@ -245,13 +246,30 @@ def format_table(rows: dict[str, dict[str, float | None] | str], reference: str)
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class RunCost:
+    """What one run cost the machine: CPU seconds of the server's processes (None where
+    /proc is missing) and the 1-minute load average at its end."""
+
+    cpu_s: float | None
+    load_avg: float
+
+
 def run_system(spec: SystemSpec, workloads: list[Workload], args: argparse.Namespace,
-               log_path: Path) -> list[BenchRun]:
+               log_path: Path) -> tuple[list[BenchRun], list[RunCost]]:
     """Start `spec`, run every workload (one per repetition) against it, stop it."""
     with ServerProcess(spec, log_path) as server:
         cfg = client_config(args, server.base_url)
         cfg = replace(cfg, model=None, extra_body={**cfg.extra_body, **spec.extra_body})
-        return [asyncio.run(run_benchmark(cfg, w)) for w in workloads]
+        assert server.proc is not None
+        runs, costs = [], []
+        for w in workloads:
+            before = group_cpu_seconds(server.proc.pid)  # its own session: pgid == pid
+            runs.append(asyncio.run(run_benchmark(cfg, w)))
+            after = group_cpu_seconds(server.proc.pid)
+            cpu = None if before is None or after is None else after - before
+            costs.append(RunCost(cpu, os.getloadavg()[0]))
+        return runs, costs
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -274,14 +292,20 @@ def _main(args: argparse.Namespace) -> int:
     for sys_spec in systems:
         print(f"== {sys_spec.name}: {' '.join(sys_spec.argv)}", flush=True)
         try:
-            runs = run_system(sys_spec, workloads, args, out / f"{stem}_{sys_spec.name}.log")
+            runs, costs = run_system(sys_spec, workloads, args,
+                                     out / f"{stem}_{sys_spec.name}.log")
         except BenchError as e:
             rows[sys_spec.name] = str(e)
             record["systems"][sys_spec.name] = {"error": str(e)}
             continue
         rows[sys_spec.name] = median_figures([r.summary for r in runs])
         record["systems"][sys_spec.name] = {"figures": rows[sys_spec.name], "argv": sys_spec.argv,
-                                            "runs": [r.to_dict() for r in runs]}
+                                            "runs": [r.to_dict() for r in runs],
+                                            "cost": [vars(c) for c in costs]}
+        cpu = [c.cpu_s for c in costs if c.cpu_s is not None]
+        print(f"{sys_spec.name}: server CPU s per run {[round(c, 1) for c in cpu]}"
+              f"{f' (median {statistics.median(cpu):.1f})' if cpu else ''}; load avg at the "
+              f"end of each run {[round(c.load_avg, 1) for c in costs]}", flush=True)
         notes.update(f"{sys_spec.name}: {n}" for r in runs for n in r.notes)
     print(f"\n{workloads[0].kind.value}: {workloads[0].describe()}; median of {args.runs} run(s)")
     print(format_table(rows, REFERENCE))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.model.llama import make_linear
+from radixserve.model.cpu_linear import make_linear
 from radixserve.model.quant import Int8Linear
 
 TOPICS = [

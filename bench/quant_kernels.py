@@ -1,10 +1,11 @@
-"""Matmul kernels for SmolLM2-135M's linear shapes: fp32, bf16 (plain and oneDNN-prepacked),
+"""Matmul kernels for SmolLM2-135M's linear shapes: fp32 and bf16 (plain and oneDNN-prepacked),
 int8 weight-only (`_weight_int8pack_mm`, fp32 or bf16 activations), int8 x int8 (`_int_mm`
 with per-row activation quantization). Why model/quant.py and model/auto_dtype.py choose
 what they choose.
 
     python -m bench.quant_kernels                    # 1 thread, rows 1,32,2048, 30 layers
     python -m bench.quant_kernels --rows 1,2,4,8 --layers 8
+    python -m bench.quant_kernels --skip w8a32,w8a16,w8a8  # model/cpu_linear.py's choice
 
 Each timing runs every layer's QKV, O, gate_up and down once (distinct weights, so that
 decode reads them from memory as a real step does), best-of-3 medians; ratios against fp32.
@@ -41,14 +42,16 @@ def timed(fn: Callable[[], None], reps: int) -> float:
 def kernels(layers: int, gen: torch.Generator) -> dict[str, list[tuple[str, Kernel]]]:
     """kernel name -> [(shape name, fn(x fp32) -> y)] over `layers` distinct weights per shape."""
     out: dict[str, list[tuple[str, Kernel]]] = {k: [] for k in (
-        "fp32", "bf16", "bf16-packed", "w8a32", "w8a16", "w8a8")}
+        "fp32", "fp32-packed", "bf16", "bf16-packed", "w8a32", "w8a16", "w8a8")}
     for name, (n, k) in SHAPES.items():
         for _ in range(layers):
             w = torch.randn(n, k, generator=gen) * 0.02
             wb = w.bfloat16()
             packed = torch.ops.mkldnn._reorder_linear_weight(wb, 32)
+            packed32 = torch.ops.mkldnn._reorder_linear_weight(w, 32)
             q = Int8Linear(w)
             out["fp32"].append((name, partial(F.linear, weight=w)))
+            out["fp32-packed"].append((name, partial(_packed, p=packed32)))
             out["bf16"].append((name, partial(F.linear, weight=wb)))
             out["bf16-packed"].append((name, partial(_packed, p=packed)))
             out["w8a32"].append((name, partial(_w8, q=q.qweight, s=q.scale)))

@@ -34,6 +34,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_cpu_kernels_built() -> None:
+    """Build the native CPU attention kernel once, before any test starts an engine: a first
+    build (~20 s, more on a loaded machine; cached afterwards) must not eat into a test's
+    wait for a server to become healthy. A failed build is tested by test_cpu_kernels.py."""
+    from radixserve.attention.cpu_kernels import load_paged_decode
+
+    load_paged_decode()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")

@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
+from radixserve.attention.cpu_kernels import load_paged_decode
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.sampler import Sampler
-from radixserve.model.llama import GatedMLP, Linear, rms_norm
+from radixserve.model.cpu_linear import GatedMLP, Linear, can_prepack, make_linear
+from radixserve.model.llama import rms_norm
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import RopeSpec
 from radixserve.sched.req import Req
@@ -120,6 +122,10 @@ CASES = {
                                            [([0, 1], 64)]),
     "mixed, decodes + long chunks": (Phase.EXTEND, [70, 0, 75, 40, 66], [1, 80, 1, 100, 4],
                                      [([0, 2, 4], 64)]),
+    # longer than CAUSAL_CHUNK: query chunks, each merged with the tokens before it
+    "extend, long chunk in query chunks": (Phase.EXTEND, [0, 0], [600, 257], []),
+    "extend, query chunks after a prefix": (Phase.EXTEND, [100, 64, 64], [300, 2, 520],
+                                            [([1, 2], 64)]),
 }
 
 
@@ -127,8 +133,13 @@ CASES = {
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
-                                               consecutive: bool, device: str) -> None:
+                                               consecutive: bool, device: str,
+                                               kernel: str) -> None:
+    """kernel "native": decode-only batches through csrc/paged_decode.cpp (CPU only)."""
+    if kernel == "native" and device != "cpu":
+        pytest.skip("the native kernel is CPU-only")
     phase, prefix_lens, extend_lens, groups = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
@@ -141,8 +152,20 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
     q = torch.randn(T, HKV * G + HKV, D, generator=gen).to(device, dtype)[:, : HKV * G]
     k = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
     v = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
-    backend = TorchAttentionBackend()
+    calls = []
+    op = load_paged_decode() if kernel == "native" else None
+    if kernel == "native":
+        assert op is not None  # the build works here: it is under test
+
+        def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append(1)
+            assert op is not None
+            return op(*args)
+
+    backend = TorchAttentionBackend(counted if kernel == "native" else None)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    # decode batches go through the kernel; extends (and mixed steps with short extends) not
+    assert len(calls) == (kernel == "native" and phase == Phase.DECODE)
     assert torch.equal(k_cache[meta.out_slots], k) and torch.equal(v_cache[meta.out_slots], v)
     ref = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), build_meta(
         phase, prefix_lens, extend_lens, table, groups, "cpu"), D**-0.5)
@@ -154,35 +177,49 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
     assert not torch.equal(out2, out)
 
 
-def test_prepacked_linear_and_fused_mlp_match_f_linear() -> None:
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_prepacked_linear_and_fused_mlp_match_f_linear(dtype: torch.dtype, tol: float) -> None:
     gen = torch.Generator().manual_seed(0)
-    bf = torch.bfloat16
-    w = (torch.randn(96, 64, generator=gen) * 0.1).to(bf)
-    bias = torch.randn(96, generator=gen).to(bf)
-    gate_up = (torch.randn(2 * 80, 64, generator=gen) * 0.1).to(bf)
-    down = (torch.randn(64, 80, generator=gen) * 0.1).to(bf)
+    w = (torch.randn(96, 64, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    gate_up = (torch.randn(2 * 80, 64, generator=gen) * 0.1).to(dtype)
+    down = (torch.randn(64, 80, generator=gen) * 0.1).to(dtype)
     lin, lin_b, mlp = Linear(w), Linear(w, bias), GatedMLP(gate_up, down)
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert lin.packed is not None and mlp.gate is not None  # the fast path is under test
+    if torch._C._has_mkldnn and (
+            dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        assert can_prepack(w.device, dtype)
+        # the fast path is under test, and it holds no plain copy of the weights
+        assert lin.packed is not None and lin.weight is None
+        assert mlp.gate is not None and mlp.up is not None and mlp.gate_up is None
+        assert lin.nbytes == w.numel() * w.element_size()
     for m in (1, 7, 32, 300):
-        x = torch.randn(m, 64, generator=gen).to(bf)
-        res = torch.randn(m, 96, generator=gen).to(bf)
-        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(lin_b(x), F.linear(x, w, bias), rtol=1e-2, atol=1e-2)
-        ref = (res.float() + x.float() @ w.float().t())
-        torch.testing.assert_close(lin.add_to(res, x).float(), ref, rtol=2e-2, atol=2e-2)
-        g, u = (x.float() @ gate_up.float().t()).chunk(2, dim=-1)
-        h = torch.randn(m, 64, generator=gen).to(bf)
-        ref = h.float() + (F.silu(g) * u) @ down.float().t()
-        torch.testing.assert_close(mlp(x, h).float(), ref, rtol=3e-2, atol=3e-2)
+        x = torch.randn(m, 64, generator=gen).to(dtype)
+        res = torch.randn(m, 96, generator=gen).to(dtype)
+        ref = x.double() @ w.double().t()
+        torch.testing.assert_close(lin(x).double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(lin_b(x).double(), ref + bias.double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(lin.add_to(res, x).double(), res.double() + ref,
+                                   rtol=tol, atol=tol)
+        g, u = (x.double() @ gate_up.double().t()).chunk(2, dim=-1)
+        h = torch.randn(m, 64, generator=gen).to(dtype)
+        ref = h.double() + (F.silu(g) * u) @ down.double().t()
+        torch.testing.assert_close(mlp(x, h).double(), ref, rtol=2 * tol, atol=2 * tol)
 
 
-def test_fp32_linear_is_plain_f_linear() -> None:
-    w = torch.randn(8, 4)
-    lin = Linear(w)
-    assert lin.packed is None
-    x = torch.randn(3, 4)
+def test_plain_linear_where_prepacking_is_off_or_unsupported() -> None:
+    w, x = torch.randn(8, 4), torch.randn(3, 4)
+    lin = Linear(w, prepacked=False)
+    assert lin.packed is None and lin.weight is w
     assert torch.equal(lin(x), F.linear(x, w))
+    mlp = GatedMLP(torch.randn(10, 4), torch.randn(4, 5), prepacked=False)
+    assert mlp.gate is None and mlp.gate_up is not None
+    # dtypes oneDNN's linear does not take, and non-CPU devices, stay on F.linear
+    assert not can_prepack(torch.device("cpu"), torch.float16)
+    assert not can_prepack(torch.device("cuda"), torch.float32)
+    half = make_linear(w.half(), None, None)
+    assert isinstance(half, Linear) and half.packed is None
+    xh = x.half()
+    assert torch.equal(half(xh), F.linear(xh, w.half()))
 
 
 def test_rms_norm_bf16_close_to_hf_order_and_fp32_exact() -> None:

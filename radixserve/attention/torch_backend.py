@@ -11,6 +11,8 @@ Long extends (prefill chunks of MIN_VARLEN_TOKENS or more) go to attention/varle
 request at a time on this forward's own k/v; the cascade above takes the rest of the batch
 (decode tokens and short extends, e.g. the decodes of a mixed step). A rest whose padded
 block would be too large, or a lone request with no group, goes to one SDPA call per request.
+On CPU, a decode-only rest goes instead to the native paged kernel (cpu_kernels.py) when the
+backend was given it: each request's own part read in place, then the groups merged as above.
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
 Does not know: the model, the scheduler.
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata
+from radixserve.attention.cpu_kernels import PagedDecode
 from radixserve.attention.varlen import Split, attend_long, split_batch
 
 MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
@@ -145,6 +148,23 @@ def _make_plan(meta: AttentionMetadata, group_size: int, dtype: torch.dtype) -> 
     return _Plan(B, nq, own_len, q_rows, out_rows, own_slots, mask, _groups(meta))
 
 
+@dataclass
+class _DecodePlan:
+    """A decode-only batch for the native kernel: keys read in place through the slot table."""
+
+    slot_table: torch.Tensor  # (R, Lmax) int32
+    rows: torch.Tensor  # (B,) int64
+    starts: torch.Tensor  # (B,) int64: first position of each request's own part
+    seq_lens: torch.Tensor  # (B,) int64
+    groups: list[_Group]
+
+
+def _make_decode_plan(meta: AttentionMetadata) -> _DecodePlan:
+    starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
+    return _DecodePlan(meta.slot_table, meta.rows.long(), starts.long(), meta.seq_lens.long(),
+                       _groups(meta))
+
+
 def _groups(meta: AttentionMetadata) -> list[_Group]:
     groups = []
     cu = [0]
@@ -163,13 +183,27 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
 
 
 class TorchAttentionBackend:
-    def __init__(self) -> None:
+    """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode-only
+    batches, or None for the torch path everywhere (the reference)."""
+
+    def __init__(self, paged_decode: PagedDecode | None = None) -> None:
         # NOTE: the plan of the current forward, keyed by its metadata object; every layer of
         # one forward receives the same `meta`.
         self._plan_meta: AttentionMetadata | None = None
         self._split: Split | None = None
-        self._plan: _Plan | None = None  # of the short requests (split.short_meta)
+        self._plan: _Plan | _DecodePlan | None = None  # of the short requests (split.short_meta)
         self.scratch = Scratch()
+        self.paged_decode = paged_decode
+
+    def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor
+                    ) -> _Plan | _DecodePlan | None:
+        # A decode step (one new token per request) through the kernel: it reads each
+        # request's keys in place, where the cascade gathers them into a padded block per
+        # layer first (a copy as large as the keys) and then runs flash over it.
+        if (self.paged_decode is not None and meta.max_extend_len == 1
+                and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)):
+            return _make_decode_plan(meta)
+        return _make_plan(meta, q.shape[1] // k.shape[1], q.dtype)
 
     def forward(
         self,
@@ -187,7 +221,7 @@ class TorchAttentionBackend:
             new_split = split_batch(meta)
             plan = None
             if new_split.short_meta is not None:
-                plan = _make_plan(new_split.short_meta, q.shape[1] // k.shape[1], q.dtype)
+                plan = self._plan_short(new_split.short_meta, q, k)
             self._plan_meta, self._split, self._plan = meta, new_split, plan
         split = self._split
         assert split is not None
@@ -208,7 +242,22 @@ class TorchAttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._plan is None:
             return self._per_request(q, k_cache, v_cache, meta, scale)
+        if isinstance(self._plan, _DecodePlan):
+            return self._decode_native(q, k_cache, v_cache, self._plan, scale)
         return self._cascade(q, k_cache, v_cache, self._plan, scale)
+
+    def _decode_native(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       plan: _DecodePlan, scale: float) -> torch.Tensor:
+        """Each request's own part by the native kernel, then its shared group merged in."""
+        assert self.paged_decode is not None
+        T, Hq, D = q.shape  # T == B: one token per request
+        Hkv = k_cache.shape[1]
+        out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
+                                     plan.starts, plan.seq_lens, scale)  # (B, Hq, D), (B, Hq)
+        out, lse = out.view(T, Hkv, Hq // Hkv, D), lse.view(T, Hkv, Hq // Hkv)
+        for g in plan.groups:  # disjoint: each token is merged at most once
+            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, self.scratch)
+        return out.reshape(T, Hq, D)
 
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  plan: _Plan, scale: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
+from radixserve.attention.cpu_kernels import load_paged_decode
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
@@ -54,7 +55,9 @@ def _choose_backend(name: str, device: torch.device) -> tuple[str, AttentionBack
         from radixserve.attention.triton_backend import TritonAttentionBackend
 
         return name, TritonAttentionBackend()
-    return name, TorchAttentionBackend()
+    # On CPU, decode steps go through the native paged kernel (built once, cached; the torch
+    # path stays where it cannot be built).
+    return name, TorchAttentionBackend(load_paged_decode() if device.type == "cpu" else None)
 
 
 MIN_SHARED_PREFIX = 64  # shorter shared prefixes are cheaper to attend per request

@@ -1,0 +1,99 @@
+"""Decode attention over a paged KV pool: the torch cascade vs the native CPU kernel, side by side.
+
+One decode step's attention through every layer (the store of the new K/V included), as the
+model runs it: B requests, each with a distinct prompt of --prompt-len tokens (consecutive
+slots, as one prefill gets them) and --decoded tokens generated so far (their slots
+interleaved across requests, as a decode step hands them out), SmolLM2-135M's heads
+(9 query, 3 KV, head_dim 64) and 30 layers. Paths, run alternately in the same process:
+- torch: TorchAttentionBackend() (gathers each request's keys into a padded block per layer,
+  then one fused flash call with a mask);
+- native: TorchAttentionBackend(load_paged_decode()) (keys read in place through the slot
+  table by csrc/paged_decode.cpp).
+Prints the median ms per step of each and their ratio, and the largest difference.
+
+    python -m bench.decode_attention --batch 32 --prompt-len 516 --decoded 24 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from radixserve.attention.base import AttentionMetadata
+from radixserve.attention.cpu_kernels import load_paged_decode
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.types import Phase
+
+LAYERS, HQ, HKV, D = 30, 9, 3, 64
+
+
+def decode_meta(batch: int, prompt_len: int, decoded: int) -> tuple[AttentionMetadata, int]:
+    """Metadata of the step that adds token `decoded` to every request; and the slots used."""
+    seq = prompt_len + decoded + 1
+    table = torch.zeros(batch, seq, dtype=torch.int32)
+    base = batch * prompt_len
+    for b in range(batch):
+        table[b, :prompt_len] = torch.arange(b * prompt_len, (b + 1) * prompt_len)
+        table[b, prompt_len:] = base + torch.arange(decoded + 1) * batch + b
+    ones = torch.ones(batch, dtype=torch.int32)
+    rows = torch.arange(batch)
+    meta = AttentionMetadata(
+        phase=Phase.DECODE, slot_table=table, rows=rows, prefix_lens=ones * (seq - 1),
+        extend_lens=ones, seq_lens=ones * seq, cu_extend=torch.arange(batch + 1, dtype=torch.int32),
+        out_slots=table[:, seq - 1].long(), prefix_lens_cpu=(seq - 1,) * batch,
+        extend_lens_cpu=(1,) * batch, max_seq_len=seq, max_extend_len=1,
+        rows_cpu=tuple(range(batch)))
+    return meta, base + (decoded + 1) * batch
+
+
+def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], k: torch.Tensor,
+         v: torch.Tensor, meta: AttentionMetadata) -> tuple[float, torch.Tensor]:
+    t = time.perf_counter()
+    out = torch.empty(0)
+    for i in range(LAYERS):
+        q, kn, vn = qkv[i].split([HQ, HKV, HKV], dim=1)
+        out = backend.forward(q, kn, vn, k[i], v[i], meta, D**-0.5)
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=516)
+    ap.add_argument("--decoded", type=int, default=24)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, args.dtype)
+    kernel = load_paged_decode()
+    assert kernel is not None, "the native kernel did not build (see the warning above)"
+    meta, slots = decode_meta(args.batch, args.prompt_len, args.decoded)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
+    v = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
+    qkv = [torch.randn(args.batch, HQ + 2 * HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
+    paths = {"torch": TorchAttentionBackend(), "native": TorchAttentionBackend(kernel)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    outs: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for _ in range(args.runs + 1):  # the first round warms up
+            for name, backend in paths.items():
+                secs, outs[name] = step(backend, qkv, k, v, meta)
+                times[name].append(secs)
+    med = {name: statistics.median(ts[1:]) * 1e3 for name, ts in times.items()}
+    diff = (outs["torch"].float() - outs["native"].float()).abs().max().item()
+    print(f"decode attention, {LAYERS} layers, batch {args.batch}, context "
+          f"{meta.max_seq_len} tokens, {args.dtype}, {args.num_threads} thread(s), "
+          f"median of {args.runs}:")
+    print(f"torch cascade {med['torch']:8.1f} ms/step")
+    print(f"native kernel {med['native']:8.1f} ms/step   ({med['torch'] / med['native']:.2f}x)")
+    print(f"max |difference| of the last layer's output: {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
