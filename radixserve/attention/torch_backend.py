@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata
-from radixserve.attention.cpu_kernels import PagedDecode
+from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention
 from radixserve.attention.varlen import Split, attend_long, split_batch
 
 MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
@@ -184,9 +184,11 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
 
 class TorchAttentionBackend:
     """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode-only
-    batches, or None for the torch path everywhere (the reference)."""
+    batches; prefill: cpu_kernels.load_prefill_attention() for long extends (varlen.py);
+    None for the torch path there (the reference)."""
 
-    def __init__(self, paged_decode: PagedDecode | None = None) -> None:
+    def __init__(self, paged_decode: PagedDecode | None = None,
+                 prefill: PrefillAttention | None = None) -> None:
         # NOTE: the plan of the current forward, keyed by its metadata object; every layer of
         # one forward receives the same `meta`.
         self._plan_meta: AttentionMetadata | None = None
@@ -194,6 +196,7 @@ class TorchAttentionBackend:
         self._plan: _Plan | _DecodePlan | None = None  # of the short requests (split.short_meta)
         self.scratch = Scratch()
         self.paged_decode = paged_decode
+        self.prefill = prefill
 
     def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor
                     ) -> _Plan | _DecodePlan | None:
@@ -235,7 +238,8 @@ class TorchAttentionBackend:
             short = self._short(q.index_select(0, split.short_rows), k_cache, v_cache,
                                 split.short_meta, scale)
             out.index_copy_(0, split.short_rows, short)
-        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, self.scratch.gather)
+        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, self.scratch.gather,
+                    self.prefill)
         return out
 
     def _short(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
