@@ -33,15 +33,18 @@ namespace {
 // layer x 128 FMAs), so the block sizes are chosen to waste little on masked pairs: with
 // BK = BQ a diagonal block is half masked, and only the diagonal blocks are.
 constexpr int64_t BQ = 32;   // queries per task (per query head)
-constexpr int64_t BK = 32;   // keys per block
+constexpr int64_t BK = 32;   // keys per block on the diagonal (and the Q.K^T strip width)
+// Keys every query of the task sees (the prefix, earlier query blocks) go in blocks of BIG: one
+// softmax pass (max, rescale of o) per 128 keys instead of per 32.
+constexpr int64_t BIG = 128;
 constexpr int64_t RQK = 8;   // rows per micro-kernel: 8 x 32 accumulators = 16 zmm
 constexpr float NEG = -1e30f;  // "minus infinity": the file builds with -ffast-math
 
 inline float to_f(float x) { return x; }
 inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
 
-// s[r][j] = sum_d q[r][d] * kt[d][j] for RQK rows and BK keys.
-template <int64_t D>
+// s[r][j] = sum_d q[r][d] * kt[d][j] for RQK rows and BK keys; s's rows W apart.
+template <int64_t D, int64_t W>
 inline void qk_rows(const float* q, const float* kt, int64_t lk, float* s) {
   float acc[RQK][BK] = {};
   for (int64_t d = 0; d < D; ++d) {
@@ -53,44 +56,45 @@ inline void qk_rows(const float* q, const float* kt, int64_t lk, float* s) {
     }
   }
   for (int64_t r = 0; r < RQK; ++r)
-    for (int64_t j = 0; j < BK; ++j) s[r * BK + j] = acc[r][j];
+    for (int64_t j = 0; j < BK; ++j) s[r * W + j] = acc[r][j];
 }
 
-// o[r][:] += sum_{j < BK} p[r][j] * v[j][:] for RQK rows (p is zero past a row's visible
+// o[r][:] += sum_{j < W} p[r][j] * v[j][:] for RQK rows (p is zero past a row's visible
 // keys, V's rows past the last key are zeros: a fixed trip count the compiler unrolls), in
 // column strips of 32: 8 x 32 accumulators = 16 zmm, the same shape as qk_rows.
-template <int64_t D>
+template <int64_t D, int64_t W>
 inline void pv_rows(const float* p, const float* v, float* o) {
-  constexpr int64_t W = D < 32 ? D : 32;
-  for (int64_t c = 0; c < D; c += W) {
-    float acc[RQK][W];
+  constexpr int64_t C = D < 32 ? D : 32;
+  for (int64_t c = 0; c < D; c += C) {
+    float acc[RQK][C];
     for (int64_t r = 0; r < RQK; ++r)
-      for (int64_t e = 0; e < W; ++e) acc[r][e] = o[r * D + c + e];
-    for (int64_t j = 0; j < BK; ++j) {
+      for (int64_t e = 0; e < C; ++e) acc[r][e] = o[r * D + c + e];
+    for (int64_t j = 0; j < W; ++j) {
       const float* vr = v + j * D + c;
       for (int64_t r = 0; r < RQK; ++r) {
-        const float a = p[r * BK + j];
+        const float a = p[r * W + j];
 #pragma omp simd
-        for (int64_t e = 0; e < W; ++e) acc[r][e] += a * vr[e];
+        for (int64_t e = 0; e < C; ++e) acc[r][e] += a * vr[e];
       }
     }
     for (int64_t r = 0; r < RQK; ++r)
-      for (int64_t e = 0; e < W; ++e) o[r * D + c + e] = acc[r][e];
+      for (int64_t e = 0; e < C; ++e) o[r * D + c + e] = acc[r][e];
   }
 }
 
-// Online softmax of one row's BK scores s (its first `vis` keys visible) against the running
+// Online softmax of one row's W scores s (its first `vis` keys visible) against the running
 // max m and sum l; writes the probabilities into s (zeros where masked) and returns the factor
 // for o. Fixed-size loops: no remainders. exp's argument is clamped at -80 (e^-80 ~ 2e-35,
 // nothing next to the row's max of 1): below the normal range the vector exp falls back to a
 // slow scalar path per lane.
+template <int64_t W>
 inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
   float mx = m;
 #pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < BK; ++j) mx = (j < vis && s[j] > mx) ? s[j] : mx;
+  for (int64_t j = 0; j < W; ++j) mx = (j < vis && s[j] > mx) ? s[j] : mx;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < BK; ++j) {
+  for (int64_t j = 0; j < W; ++j) {
     const float x = s[j] - mx;
     const float e = std::exp(x > -80.f ? x : -80.f);
     s[j] = j < vis ? e : 0.f;
@@ -108,6 +112,33 @@ struct Shape {
   float scale;
 };
 
+// One block of W keys from k0 for the task's rows: scores, online softmax, P.V into o.
+template <int64_t D, int64_t W>
+void key_block(const float* qf, const float* kt, const float* vf, const Shape& sh, int64_t q0,
+               int64_t used, int64_t rows, int64_t k0, float* s, float* o, float* mrow,
+               float* lrow) {
+  const int64_t kn = std::min(W, sh.p + q0 + (used + sh.g - 1) / sh.g - k0);
+  for (int64_t r = 0; r < rows; r += RQK)
+    for (int64_t c = 0; c < W; c += BK)
+      qk_rows<D, W>(qf + r * D, kt + k0 + c, sh.lpad, s + r * W + c);
+  for (int64_t r = 0; r < rows; ++r) {
+    // visible keys of this row in the block: up to key p + q0 + i inclusive
+    const int64_t vis = r < used ? std::min(kn, sh.p + q0 + r / sh.g + 1 - k0) : 0;
+    float* sr = s + r * W;
+    if (vis <= 0) {  // nothing visible (padding rows, or a diagonal block past the query)
+      std::fill(sr, sr + W, 0.f);
+      continue;
+    }
+    const float alpha = softmax_row<W>(sr, vis, mrow[r], lrow[r]);
+    if (alpha != 1.f) {
+      float* orow = o + r * D;
+#pragma omp simd
+      for (int64_t e = 0; e < D; ++e) orow[e] *= alpha;
+    }
+  }
+  for (int64_t r = 0; r < rows; r += RQK) pv_rows<D, W>(s + r * W, vf + k0 * D, o + r * D);
+}
+
 // One task: KV head h, queries [q0, q0 + nq). Rows r = i * g + gi (gi: head in the group),
 // padded to a multiple of RQK with zero queries that see nothing.
 template <int64_t D, typename T>
@@ -115,11 +146,11 @@ void attend_task(const T* q, int64_t sq0, int64_t sq1, const float* kt, const fl
                  const Shape& sh, int64_t h, int64_t q0, int64_t nq, T* out, float* lse,
                  std::vector<float>& work) {
   const int64_t used = nq * sh.g, rows = (used + RQK - 1) / RQK * RQK;
-  work.resize(rows * (2 * D + BK + 2));
+  work.resize(rows * (2 * D + BIG + 2));
   float* qf = work.data();
   float* o = qf + rows * D;
   float* s = o + rows * D;
-  float* mrow = s + rows * BK;
+  float* mrow = s + rows * BIG;
   float* lrow = mrow + rows;
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = qf + r * D;
@@ -133,27 +164,12 @@ void attend_task(const T* q, int64_t sq0, int64_t sq1, const float* kt, const fl
   std::fill(o, o + rows * D, 0.f);
   std::fill(mrow, mrow + rows, NEG);
   std::fill(lrow, lrow + rows, 0.f);
+  const int64_t full = sh.p + q0;       // keys every query of the task sees
   const int64_t kend = sh.p + q0 + nq;  // keys the block's last query sees
-  for (int64_t k0 = 0; k0 < kend; k0 += BK) {
-    const int64_t kn = std::min(BK, kend - k0);
-    for (int64_t r = 0; r < rows; r += RQK) qk_rows<D>(qf + r * D, kt + k0, sh.lpad, s + r * BK);
-    for (int64_t r = 0; r < rows; ++r) {
-      // visible keys of this row in the block: up to key p + q0 + i inclusive
-      const int64_t vis = r < used ? std::min(kn, sh.p + q0 + r / sh.g + 1 - k0) : 0;
-      float* sr = s + r * BK;
-      if (vis <= 0) {  // nothing visible (padding rows, or a diagonal block past the query)
-        std::fill(sr, sr + BK, 0.f);
-        continue;
-      }
-      const float alpha = softmax_row(sr, vis, mrow[r], lrow[r]);
-      if (alpha != 1.f) {
-        float* orow = o + r * D;
-#pragma omp simd
-        for (int64_t e = 0; e < D; ++e) orow[e] *= alpha;
-      }
-    }
-    for (int64_t r = 0; r < rows; r += RQK) pv_rows<D>(s + r * BK, vf + k0 * D, o + r * D);
-  }
+  int64_t k0 = 0;
+  for (; k0 + BIG <= full; k0 += BIG)
+    key_block<D, BIG>(qf, kt, vf, sh, q0, used, rows, k0, s, o, mrow, lrow);
+  for (; k0 < kend; k0 += BK) key_block<D, BK>(qf, kt, vf, sh, q0, used, rows, k0, s, o, mrow, lrow);
   for (int64_t r = 0; r < used; ++r) {
     const int64_t i = r / sh.g, head = h * sh.g + r % sh.g;
     const float inv = 1.f / lrow[r];
