@@ -4,6 +4,8 @@ the fused MLP against F.linear, the bf16 RMSNorm against HF's order, the rotary 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from radixserve.sched.req import Req
 from radixserve.types import Phase, SamplingParams
 
 HKV, G, D, NUM_SLOTS = 2, 3, 32, 4096
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # CPU runs the fused flash kernel, CUDA the matmul + logsumexp path of the same plan.
 DEVICES = [pytest.param("cpu"),
            pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -156,18 +159,18 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
     v = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
     calls: dict[str, int] = {"decode": 0, "prefill": 0}
 
-    def counted(name: str, op: object) -> object:
+    def counted(name: str, op: Kernel | None) -> Kernel:
         assert op is not None  # the build works here: it is under test
 
         def call(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
             calls[name] += 1
-            return op(*args)  # type: ignore[operator, no-any-return]
+            return op(*args)
         return call
 
     backend = TorchAttentionBackend()
     if kernel == "native":
-        backend = TorchAttentionBackend(counted("decode", load_paged_decode()),  # type: ignore[arg-type]
-                                        counted("prefill", load_prefill_attention()))  # type: ignore[arg-type]
+        backend = TorchAttentionBackend(counted("decode", load_paged_decode()),
+                                        counted("prefill", load_prefill_attention()))
     out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
     # decode batches go through the decode kernel; each long extend is one prefill call
     native = kernel == "native"

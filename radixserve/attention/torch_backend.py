@@ -12,7 +12,8 @@ request at a time on this forward's own k/v; the cascade above takes the rest of
 (decode tokens and short extends, e.g. the decodes of a mixed step). A rest whose padded
 block would be too large, or a lone request with no group, goes to one SDPA call per request.
 On CPU, a decode-only rest goes instead to the native paged kernel (cpu_kernels.py) when the
-backend was given it: each request's own part read in place, then the groups merged as above.
+backend was given it: each request's own part read in place, then the groups merged as above;
+long extends likewise go to the native causal prefill kernel when given (varlen.py).
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
 Does not know: the model, the scheduler.
 

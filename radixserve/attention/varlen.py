@@ -9,6 +9,10 @@ short extends, for the padded cascade of torch_backend), and the attention of on
 - its cached prefix (a tree match or earlier chunks), when there is one, is gathered from
   the pool once per layer and attended without a mask (every prefix key precedes every new
   token), then merged with the causal part by log-sum-exp.
+On CPU with the native kernel (cpu_kernels.load_prefill_attention(): fp32/bf16, head_dim 32,
+64 or 128), each extend is instead one call of csrc/prefill_attention.cpp: the prefix read in
+place through the slot table, the chunk causal on itself, masked key blocks skipped; the
+torch path above stays as the fallback and the tests' reference.
 Does not know: the model, the scheduler, how the pool is laid out beyond the slot table.
 """
 
