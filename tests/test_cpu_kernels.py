@@ -143,6 +143,21 @@ def test_prefill_kernel_matches_reference(dtype: torch.dtype, tol: float, hq: in
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prefill_kernel_in_parallel(threads: int) -> None:
+    """Tasks (KV head, query block) split over threads cover every query exactly once."""
+    args = prefill_inputs(300, 45, 9, 3, 64, torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = prefill_kernel()(*args, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_lse = prefill_attention_reference(*args, 0.125)
+    torch.testing.assert_close(out.double(), ref_out.double(), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_reference_is_causal_attention() -> None:
     """The reference on a case small enough to write out: one head, one prefix key, two new
     (vectors of 2 values padded with zeros to the kernel's smallest head_dim, 32)."""

@@ -220,11 +220,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const T* qp = static_cast<const T*>(q.data_ptr());
   T* op = static_cast<T*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
-  // Tasks: (KV head, query block), the longest (last) query blocks first.
+  // Tasks: (KV head, query block). A query block's cost grows with its index (causal), and
+  // parallel_for hands each thread a contiguous range: the blocks go in the order last, first,
+  // second to last, second, ... so that every range mixes long and short ones.
   at::parallel_for(0, sh.hkv * nqb, 1, [&](int64_t tb, int64_t te) {
     std::vector<float> work;
     for (int64_t t = tb; t < te; ++t) {
-      const int64_t h = t % sh.hkv, qb = nqb - 1 - t / sh.hkv;
+      const int64_t u = t / sh.hkv, h = t % sh.hkv;
+      const int64_t qb = u % 2 == 0 ? nqb - 1 - u / 2 : u / 2;
       const int64_t q0 = qb * BQ;
       attend_task<D, T>(qp, q.stride(0), q.stride(1), kt.data() + h * D * sh.lpad,
                         vf.data() + h * sh.lpad * D, sh, h, q0, std::min(BQ, sh.m - q0), op, lp,
