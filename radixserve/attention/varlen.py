@@ -147,7 +147,7 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     the parts merged by log-sum-exp. With `kernel` (cpu_kernels.load_prefill_attention()),
     each extend is one call instead: the prefix read in place, causal blocks skipped.
     """
-    if kernel is not None and kernel_applies(q, k):
+    if kernel is not None and kernel_applies(q, k, v):
         _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel)
         return
     cu = [0]
@@ -176,10 +176,11 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
             out[s + c0 : s + c1] = o[0].transpose(0, 1)
 
 
-def kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the native prefill kernel takes these tensors (else the torch path)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[-1] in PREFILL_HEAD_DIMS and q.stride(-1) == 1 and k.stride(-1) == 1)
+            and q.shape[-1] in PREFILL_HEAD_DIMS
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
