@@ -36,7 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def _native_cpu_kernels_built() -> None:
-    """Build the native CPU attention kernel once, before any test starts an engine: a first
+    """Build the native CPU attention kernels (one extension: paged decode and causal
+    prefill) once, before any test starts an engine: a first
     build (~20 s, more on a loaded machine; cached afterwards) must not eat into a test's
     wait for a server to become healthy. A failed build is tested by test_cpu_kernels.py."""
     from radixserve.attention.cpu_kernels import load_paged_decode

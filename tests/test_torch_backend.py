@@ -4,13 +4,16 @@ the fused MLP against F.linear, the bf16 RMSNorm against HF's order, the rotary 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
-from radixserve.attention.cpu_kernels import load_paged_decode
+from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.attention.varlen import MIN_VARLEN_TOKENS
 from radixserve.engine.sampler import Sampler
 from radixserve.model.cpu_linear import GatedMLP, Linear, can_prepack, make_linear
 from radixserve.model.llama import rms_norm
@@ -20,6 +23,7 @@ from radixserve.sched.req import Req
 from radixserve.types import Phase, SamplingParams
 
 HKV, G, D, NUM_SLOTS = 2, 3, 32, 4096
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # CPU runs the fused flash kernel, CUDA the matmul + logsumexp path of the same plan.
 DEVICES = [pytest.param("cpu"),
            pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -137,9 +141,10 @@ CASES = {
 def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
                                                consecutive: bool, device: str,
                                                kernel: str) -> None:
-    """kernel "native": decode-only batches through csrc/paged_decode.cpp (CPU only)."""
+    """kernel "native": decode-only batches through csrc/paged_decode.cpp, long extends
+    through csrc/prefill_attention.cpp (CPU only)."""
     if kernel == "native" and device != "cpu":
-        pytest.skip("the native kernel is CPU-only")
+        pytest.skip("the native kernels are CPU-only")
     phase, prefix_lens, extend_lens, groups = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
@@ -152,20 +157,25 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
     q = torch.randn(T, HKV * G + HKV, D, generator=gen).to(device, dtype)[:, : HKV * G]
     k = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
     v = torch.randn(T, HKV, D, generator=gen).to(device, dtype)
-    calls = []
-    op = load_paged_decode() if kernel == "native" else None
-    if kernel == "native":
+    calls: dict[str, int] = {"decode": 0, "prefill": 0}
+
+    def counted(name: str, op: Kernel | None) -> Kernel:
         assert op is not None  # the build works here: it is under test
 
-        def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-            calls.append(1)
-            assert op is not None
+        def call(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+            calls[name] += 1
             return op(*args)
+        return call
 
-    backend = TorchAttentionBackend(counted if kernel == "native" else None)
+    backend = TorchAttentionBackend()
+    if kernel == "native":
+        backend = TorchAttentionBackend(counted("decode", load_paged_decode()),
+                                        counted("prefill", load_prefill_attention()))
     out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
-    # decode batches go through the kernel; extends (and mixed steps with short extends) not
-    assert len(calls) == (kernel == "native" and phase == Phase.DECODE)
+    # decode batches go through the decode kernel; each long extend is one prefill call
+    native = kernel == "native"
+    assert calls["decode"] == (native and phase == Phase.DECODE)
+    assert calls["prefill"] == native * sum(n >= MIN_VARLEN_TOKENS for n in extend_lens)
     assert torch.equal(k_cache[meta.out_slots], k) and torch.equal(v_cache[meta.out_slots], v)
     ref = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), build_meta(
         phase, prefix_lens, extend_lens, table, groups, "cpu"), D**-0.5)

@@ -1,14 +1,15 @@
-"""Native CPU attention kernels: building and loading them, and their torch reference.
+"""Native CPU attention kernels: building and loading them, and their torch references.
 
-Owns: compiling csrc/paged_decode.cpp with torch's C++ extension loader (once per source
-version and machine, cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a
-first build takes ~1 min here), the resulting op `torch.ops.radixserve.paged_decode`, and
-`paged_decode_reference`, the same computation in plain torch (the kernel's specification,
-and what tests compare it with). Does not know: metadata, plans, the cascade (the torch
-backend decides when the kernel applies).
+Owns: compiling csrc/paged_decode.cpp and csrc/prefill_attention.cpp into one extension with
+torch's C++ extension loader (once per source version and machine, cached under
+~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a first build takes ~1 min here), the
+resulting ops `torch.ops.radixserve.paged_decode` and `torch.ops.radixserve.prefill_attention`,
+and `paged_decode_reference` / `prefill_attention_reference`, the same computations in plain
+torch (the kernels' specifications, and what tests compare them with). Does not know:
+metadata, plans, the cascade (the torch backend and varlen.py decide when a kernel applies).
 
-If the build fails (no compiler, no ninja, an unusual platform), `load_paged_decode` returns
-None and the caller keeps its torch path.
+If the build fails (no compiler, no ninja, an unusual platform), the loaders return None and
+the caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_decode.cpp", "prefill_attention.cpp")]
 # The extension's name carries the source's version (a changed kernel gets a fresh build; torch
 # also rebuilds on a source hash change) and the CPU's flags: the build is -march=native, so
 # a cache directory shared with another kind of CPU must not hand it a binary it cannot run.
-EXT_BASE = "radixserve_paged_decode_v2"
+EXT_BASE = "radixserve_cpu_attention_v3"
 # -ffast-math lets gcc vectorize the softmax's exp (glibc's libmvec). It is passed to the
 # compile step only: a link with it would add crtfastmath (flush-to-zero for the whole process).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the torch path)
 
+# prefill_attention's head dims (template instances in the kernel); others keep the torch path
+PREFILL_HEAD_DIMS = (32, 64, 128)
+
 PagedDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+PrefillAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _ninja_on_path() -> None:
@@ -62,25 +68,42 @@ def _cpu_tag() -> str:
 
 
 def _registered() -> bool:
-    return hasattr(torch.ops.radixserve, "paged_decode")
+    return hasattr(torch.ops.radixserve, "paged_decode") and hasattr(
+        torch.ops.radixserve, "prefill_attention")
+
+
+def _build() -> bool:
+    """Build (or load the cached build of) the extension once per process; False on failure."""
+    if os.environ.get(ENV_DISABLE) == "1":
+        return False
+    if _registered():
+        return True
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        load(name=f"{EXT_BASE}_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
+             extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
+        logger.warning("CPU attention kernels unavailable (%s: %s); using torch",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+    return True
 
 
 def load_paged_decode() -> PagedDecode | None:
     """torch.ops.radixserve.paged_decode, built on first use; None where unavailable."""
-    if os.environ.get(ENV_DISABLE) == "1":
+    if not _build():
         return None
-    if not _registered():
-        try:
-            from torch.utils.cpp_extension import load
-
-            _ninja_on_path()
-            load(name=f"{EXT_BASE}_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                 is_python_module=False, verbose=False)
-        except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
-            logger.warning("CPU paged decode kernel unavailable (%s: %s); using torch",
-                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            return None
     op: PagedDecode = torch.ops.radixserve.paged_decode
+    return op
+
+
+def load_prefill_attention() -> PrefillAttention | None:
+    """torch.ops.radixserve.prefill_attention, built on first use; None where unavailable."""
+    if not _build():
+        return None
+    op: PrefillAttention = torch.ops.radixserve.prefill_attention
     return op
 
 
@@ -107,3 +130,27 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, values).to(q.dtype)
     return out, lse
+
+
+def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                prefix_slots: torch.Tensor, scale: float
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What prefill_attention computes, in float64.
+
+    q (M, Hq, D), k/v (M, Hkv, D): one request's chunk; prefix_slots (P,) int32: its cached
+    keys' slots in k_cache/v_cache (S, Hkv, D). Query i attends to the P prefix keys and to
+    the chunk's keys 0..i. Returns out (M, Hq, D) in q's dtype and lse (M, Hq) float32.
+    """
+    M, Hq, _ = q.shape
+    G = Hq // k.shape[1]
+    slots = prefix_slots.long()
+    keys = torch.cat([k_cache[slots], k]).double().repeat_interleave(G, dim=1)  # (P+M, Hq, D)
+    values = torch.cat([v_cache[slots], v]).double().repeat_interleave(G, dim=1)
+    P = slots.numel()
+    scores = torch.einsum("mhd,lhd->hml", q.double(), keys) * scale  # (Hq, M, P+M)
+    hidden = torch.ones(M, M, dtype=torch.bool, device=q.device).triu(1)
+    scores[:, :, P:] = scores[:, :, P:].masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (Hq, M)
+    out = torch.einsum("hml,lhd->mhd", torch.softmax(scores, dim=-1), values)
+    return out.to(q.dtype), lse.transpose(0, 1).float().contiguous()

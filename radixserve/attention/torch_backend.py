@@ -12,7 +12,8 @@ request at a time on this forward's own k/v; the cascade above takes the rest of
 (decode tokens and short extends, e.g. the decodes of a mixed step). A rest whose padded
 block would be too large, or a lone request with no group, goes to one SDPA call per request.
 On CPU, a decode-only rest goes instead to the native paged kernel (cpu_kernels.py) when the
-backend was given it: each request's own part read in place, then the groups merged as above.
+backend was given it: each request's own part read in place, then the groups merged as above;
+long extends likewise go to the native causal prefill kernel when given (varlen.py).
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
 Does not know: the model, the scheduler.
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata
-from radixserve.attention.cpu_kernels import PagedDecode
+from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention
 from radixserve.attention.varlen import Split, attend_long, split_batch
 
 MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
@@ -184,9 +185,11 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
 
 class TorchAttentionBackend:
     """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode-only
-    batches, or None for the torch path everywhere (the reference)."""
+    batches; prefill: cpu_kernels.load_prefill_attention() for long extends (varlen.py);
+    None for the torch path there (the reference)."""
 
-    def __init__(self, paged_decode: PagedDecode | None = None) -> None:
+    def __init__(self, paged_decode: PagedDecode | None = None,
+                 prefill: PrefillAttention | None = None) -> None:
         # NOTE: the plan of the current forward, keyed by its metadata object; every layer of
         # one forward receives the same `meta`.
         self._plan_meta: AttentionMetadata | None = None
@@ -194,6 +197,7 @@ class TorchAttentionBackend:
         self._plan: _Plan | _DecodePlan | None = None  # of the short requests (split.short_meta)
         self.scratch = Scratch()
         self.paged_decode = paged_decode
+        self.prefill = prefill
 
     def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor
                     ) -> _Plan | _DecodePlan | None:
@@ -235,7 +239,8 @@ class TorchAttentionBackend:
             short = self._short(q.index_select(0, split.short_rows), k_cache, v_cache,
                                 split.short_meta, scale)
             out.index_copy_(0, split.short_rows, short)
-        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, self.scratch.gather)
+        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, self.scratch.gather,
+                    self.prefill)
         return out
 
     def _short(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,6 +9,10 @@ short extends, for the padded cascade of torch_backend), and the attention of on
 - its cached prefix (a tree match or earlier chunks), when there is one, is gathered from
   the pool once per layer and attended without a mask (every prefix key precedes every new
   token), then merged with the causal part by log-sum-exp.
+On CPU with the native kernel (cpu_kernels.load_prefill_attention(): fp32/bf16, head_dim 32,
+64 or 128), each extend is instead one call of csrc/prefill_attention.cpp: the prefix read in
+place through the slot table, the chunk causal on itself, masked key blocks skipped; the
+torch path above stays as the fallback and the tests' reference.
 Does not know: the model, the scheduler, how the pool is laid out beyond the slot table.
 """
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
+from radixserve.attention.cpu_kernels import PREFILL_HEAD_DIMS, PrefillAttention
 
 # An extend this long is attended on its own: padding it into a block with the others
 # would cost up to (longest / its length) times the work, and its causal mask as much memory.
@@ -131,15 +136,20 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, long: tuple[int, ...],
-                out: torch.Tensor, scale: float, gather: Gather) -> None:
+                out: torch.Tensor, scale: float, gather: Gather,
+                kernel: PrefillAttention | None = None) -> None:
     """Write into out (T, Hq, D) the attention of the long extends' tokens.
 
     q (T, Hq, D), k/v (T, Hkv, D): this forward's tokens, already stored in the pool.
     gather(cache, slots, key) reads cached prefix K/V (S, Hkv, D), consumed before the next.
     Queries go in chunks of <= CAUSAL_CHUNK tokens: a chunk attends causally to itself and
     without a mask to this forward's earlier tokens (views of k/v) and to the cached prefix,
-    the parts merged by log-sum-exp.
+    the parts merged by log-sum-exp. With `kernel` (cpu_kernels.load_prefill_attention()),
+    each extend is one call instead: the prefix read in place, causal blocks skipped.
     """
+    if kernel is not None and kernel_applies(q, k, v):
+        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel)
+        return
     cu = [0]
     for n in meta.extend_lens_cpu:
         cu.append(cu[-1] + n)
@@ -164,3 +174,26 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
             if kp is not None and vp is not None:
                 o, lse = _merge(o, lse, *_flash(qc, kp, vp, False, scale))
             out[s + c0 : s + c1] = o[0].transpose(0, 1)
+
+
+def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native prefill kernel takes these tensors (else the torch path)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[-1] in PREFILL_HEAD_DIMS
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        long: tuple[int, ...], out: torch.Tensor, scale: float,
+                        kernel: PrefillAttention) -> None:
+    """attend_long through the native kernel: one call per extend, its whole chunk causal on
+    itself and unmasked on its prefix (slots read from the pool, no gather)."""
+    cu = [0]
+    for n in meta.extend_lens_cpu:
+        cu.append(cu[-1] + n)
+    for b in long:
+        s, e = cu[b], cu[b + 1]
+        slots = meta.slot_table[meta.rows_cpu[b], : meta.prefix_lens_cpu[b]]  # (P,) int32
+        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale)
+        out[s:e] = o

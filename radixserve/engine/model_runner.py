@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
-from radixserve.attention.cpu_kernels import load_paged_decode
+from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
@@ -55,9 +55,12 @@ def _choose_backend(name: str, device: torch.device) -> tuple[str, AttentionBack
         from radixserve.attention.triton_backend import TritonAttentionBackend
 
         return name, TritonAttentionBackend()
-    # On CPU, decode steps go through the native paged kernel (built once, cached; the torch
-    # path stays where it cannot be built).
-    return name, TorchAttentionBackend(load_paged_decode() if device.type == "cpu" else None)
+    # On CPU, decode steps go through the native paged kernel and prefill chunks through the
+    # native causal kernel (one extension, built once, cached; the torch path stays where it
+    # cannot be built).
+    if device.type != "cpu":
+        return name, TorchAttentionBackend()
+    return name, TorchAttentionBackend(load_paged_decode(), load_prefill_attention())
 
 
 MIN_SHARED_PREFIX = 64  # shorter shared prefixes are cheaper to attend per request

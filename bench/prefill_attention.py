@@ -1,0 +1,93 @@
+"""Prefill attention of long extends: the torch path (varlen.py's query chunks over torch's CPU
+flash kernel) vs the native causal kernel (csrc/prefill_attention.cpp), side by side.
+
+One prefill forward's attention through every layer (the store of the new K/V included), as
+the model runs it: one request with --prefix cached tokens (scattered pool slots) and an
+extend of --tokens new tokens, SmolLM2-135M's heads (9 query, 3 KV, head_dim 64) and 30
+layers. Both paths run alternately in the same process; prints the median ms per forward of
+each, their ratio and the largest difference between them.
+
+    python -m bench.prefill_attention --tokens 516 --prefix 0 --dtype float32
+    python -m bench.prefill_attention --tokens 2048 --prefix 2048 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from radixserve.attention.base import AttentionMetadata
+from radixserve.attention.cpu_kernels import load_prefill_attention
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.types import Phase
+
+LAYERS, HQ, HKV, D = 30, 9, 3, 64
+
+
+def extend_meta(tokens: int, prefix: int) -> tuple[AttentionMetadata, int]:
+    """Metadata of one extend of `tokens` after `prefix` cached tokens; and the slots used.
+    The prefix's slots are a permutation (pages scattered in the pool), the extend's follow."""
+    seq = prefix + tokens
+    table = torch.zeros(1, seq, dtype=torch.int32)
+    table[0, :prefix] = torch.randperm(prefix, generator=torch.Generator().manual_seed(1)).int()
+    table[0, prefix:] = torch.arange(prefix, seq, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int32)
+    meta = AttentionMetadata(
+        phase=Phase.EXTEND, slot_table=table, rows=torch.zeros(1, dtype=torch.int64),
+        prefix_lens=one * prefix, extend_lens=one * tokens, seq_lens=one * seq,
+        cu_extend=torch.tensor([0, tokens], dtype=torch.int32),
+        out_slots=table[0, prefix:].long(), prefix_lens_cpu=(prefix,), extend_lens_cpu=(tokens,),
+        max_seq_len=seq, max_extend_len=tokens, rows_cpu=(0,))
+    return meta, seq
+
+
+def forward(backend: TorchAttentionBackend, qkv: list[torch.Tensor], k: torch.Tensor,
+            v: torch.Tensor, meta: AttentionMetadata) -> tuple[float, torch.Tensor]:
+    t = time.perf_counter()
+    out = torch.empty(0)
+    for i in range(LAYERS):
+        q, kn, vn = qkv[i].split([HQ, HKV, HKV], dim=1)
+        out = backend.forward(q, kn, vn, k[i], v[i], meta, D**-0.5)
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=516)
+    ap.add_argument("--prefix", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, args.dtype)
+    kernel = load_prefill_attention()
+    assert kernel is not None, "the native kernel did not build (see the warning above)"
+    meta, slots = extend_meta(args.tokens, args.prefix)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
+    v = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
+    qkv = [torch.randn(args.tokens, HQ + 2 * HKV, D, generator=g).to(dtype)
+           for _ in range(LAYERS)]
+    paths = {"torch": TorchAttentionBackend(), "native": TorchAttentionBackend(prefill=kernel)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    outs: dict[str, torch.Tensor] = {}
+    for name, backend in paths.items():  # warm-up
+        outs[name] = forward(backend, qkv, k, v, meta)[1]
+    for _ in range(args.runs):
+        for name, backend in paths.items():
+            times[name].append(forward(backend, qkv, k, v, meta)[0])
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    diff = (outs["torch"].float() - outs["native"].float()).abs().max().item()
+    print(f"{args.tokens} tokens after {args.prefix} cached, {args.dtype}, {LAYERS} layers, "
+          f"{args.num_threads} thread(s), median of {args.runs}:")
+    print(f"  torch  (query chunks + flash): {med['torch']:8.1f} ms/forward")
+    print(f"  native (prefill_attention):    {med['native']:8.1f} ms/forward")
+    print(f"  ratio {med['torch'] / med['native']:.2f}x   max |difference| {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
