@@ -38,7 +38,7 @@ ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the t
 PagedDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def _ninja_on_path() -> None:
+def ninja_on_path() -> None:
     """torch runs `ninja` from PATH; the `ninja` wheel's binary is in the venv, which a
     `.venv/bin/python ...` run does not put on PATH."""
     try:
@@ -50,7 +50,7 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     """A short digest of this CPU's feature flags (/proc/cpuinfo; the machine type elsewhere)."""
     flags = platform.machine()
     with contextlib.suppress(OSError):
@@ -73,8 +73,8 @@ def load_paged_decode() -> PagedDecode | None:
         try:
             from torch.utils.cpp_extension import load
 
-            _ninja_on_path()
-            load(name=f"{EXT_BASE}_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            ninja_on_path()
+            load(name=f"{EXT_BASE}_{cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                  is_python_module=False, verbose=False)
         except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
             logger.warning("CPU paged decode kernel unavailable (%s: %s); using torch",
