@@ -29,7 +29,7 @@ from radixserve.attention.cpu_kernels import CFLAGS, ENV_DISABLE, cpu_tag, ninja
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
-EXT_BASE = "radixserve_int8_gemm_v1"  # bump with the source: a fresh build, not a stale one
+EXT_BASE = "radixserve_int8_gemm_v2"  # bump with the source: a fresh build, not a stale one
 
 Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

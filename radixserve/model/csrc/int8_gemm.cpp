@@ -36,8 +36,9 @@
 namespace {
 
 constexpr int64_t KB = 32;  // K padding: one vdpbf16ps step (32 bf16 values)
-constexpr int MT = 4;       // rows per micro tile
+constexpr int MT = 6;       // rows per micro tile (6 x 4 accumulators + 4 + 1: 29 zmm)
 constexpr int NT = 4;       // output channels per micro tile (and per widened scratch)
+constexpr int64_t MB = 96;  // rows per L2 block (a multiple of MT)
 
 inline uint16_t bf16_bits(float f) {
   return c10::BFloat16(f).x;  // round to nearest even, as torch's .to(bfloat16)
@@ -60,22 +61,45 @@ inline void widen_row(const int8_t* q, int64_t K, int64_t Kp, uint16_t* dst) {
   for (; k < Kp; ++k) dst[k] = 0;
 }
 
-// acc(r, c) = sum_k x[r, k] * w[c, k] for r < mt, c < nt; x rows and w rows Kp apart.
+// [sum(a), sum(b), sum(c), sum(d)]: four horizontal sums at once (a transposing add tree).
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit lane: ab = [a0+a2, b0+b2, a1+a3, b1+b3], cd likewise
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // [a,b,c,d] x4
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[r, c] = scale[c] * sum_k x[r, k] * w[c, k] for r < mt, c < nt; x rows and w rows Kp
+// apart, out rows ldo apart.
 template <int mt, int nt>
-inline void micro(const uint16_t* x, const uint16_t* w, int64_t Kp, float* out, int64_t ldo) {
-  __m512 acc[mt][nt];
+inline void micro(const uint16_t* x, const uint16_t* w, int64_t Kp, const float* scale,
+                  float* out, int64_t ldo) {
+  __m512 acc[mt][NT];
   for (int r = 0; r < mt; ++r)
-    for (int c = 0; c < nt; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NT; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Kp; k += KB) {
     __m512bh wv[nt];
     for (int c = 0; c < nt; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * Kp + k);
     for (int r = 0; r < mt; ++r) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * Kp + k);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * Kp + k);
       for (int c = 0; c < nt; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
-  for (int r = 0; r < mt; ++r)
-    for (int c = 0; c < nt; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+  for (int r = 0; r < mt; ++r) {
+    const __m128 sums = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);  // zeros past nt
+    if constexpr (nt == NT) {
+      _mm_storeu_ps(out + r * ldo, _mm_mul_ps(sums, _mm_loadu_ps(scale)));
+    } else {
+      alignas(16) float tmp[NT];
+      _mm_store_ps(tmp, sums);
+      for (int c = 0; c < nt; ++c) out[r * ldo + c] = tmp[c] * scale[c];
+    }
+  }
 }
 #else
 using wtype = float;
@@ -87,7 +111,8 @@ inline void widen_row(const int8_t* q, int64_t K, int64_t Kp, float* dst) {
 }
 
 template <int mt, int nt>
-inline void micro(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo) {
+inline void micro(const float* x, const float* w, int64_t Kp, const float* scale, float* out,
+                  int64_t ldo) {
   for (int r = 0; r < mt; ++r)
     for (int c = 0; c < nt; ++c) {
       float s = 0.f;
@@ -95,12 +120,12 @@ inline void micro(const float* x, const float* w, int64_t Kp, float* out, int64_
       const float* wc = w + c * Kp;
 #pragma omp simd reduction(+ : s)
       for (int64_t k = 0; k < Kp; ++k) s += xr[k] * wc[k];
-      out[r * ldo + c] = s;
+      out[r * ldo + c] = s * scale[c];
     }
 }
 #endif
 
-using MicroFn = void (*)(const wtype*, const wtype*, int64_t, float*, int64_t);
+using MicroFn = void (*)(const wtype*, const wtype*, int64_t, const float*, float*, int64_t);
 
 template <int mt, int... ns>
 constexpr std::array<MicroFn, sizeof...(ns)> micro_row(std::integer_sequence<int, ns...>) {
@@ -157,16 +182,20 @@ at::Tensor int8_weight_gemm(const at::Tensor& x, const at::Tensor& qweight,
   // grain: enough channels per task that a task's widening and loop overhead is amortized
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     std::vector<wtype> wbuf(static_cast<size_t>(NT * Kp));
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * NT;
-      const int nt = static_cast<int>(std::min<int64_t>(NT, N - n0));
-      for (int c = 0; c < nt; ++c) widen_row(qp + (n0 + c) * K, K, Kp, wbuf.data() + c * Kp);
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int mt = static_cast<int>(std::min<int64_t>(MT, M - m0));
-        kTable[mt - 1][nt - 1](xw.data() + m0 * Kp, wbuf.data(), Kp, yp + m0 * N + n0, N);
+    // Rows in blocks of MB: a block of x (MB x Kp) stays in L2 while the task's channel tiles
+    // pass over it; each tile is widened again per block (amortized over MB rows).
+    for (int64_t b0 = 0; b0 < M; b0 += MB) {
+      const int64_t b1 = std::min<int64_t>(M, b0 + MB);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * NT;
+        const int nt = static_cast<int>(std::min<int64_t>(NT, N - n0));
+        for (int c = 0; c < nt; ++c) widen_row(qp + (n0 + c) * K, K, Kp, wbuf.data() + c * Kp);
+        for (int64_t m0 = b0; m0 < b1; m0 += MT) {
+          const int mt = static_cast<int>(std::min<int64_t>(MT, b1 - m0));
+          kTable[mt - 1][nt - 1](xw.data() + m0 * Kp, wbuf.data(), Kp, sp + n0,
+                                 yp + m0 * N + n0, N);
+        }
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int c = 0; c < nt; ++c) yp[m * N + n0 + c] *= sp[n0 + c];
     }
   });
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
