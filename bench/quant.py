@@ -4,9 +4,9 @@
     python -m bench.quant --runs 1 --configs fp32,int8
 
 Configs: fp32, bf16, int8 (fp32 activations; the kernels of model/quant.py: the native
-weight-only kernel at every row count), int8-intmm (torch's kernels as before the native one,
-what a failed build runs: `_weight_int8pack_mm` for <= 2 rows, dynamic int8 activations and
-`_int_mm` above), int8-native64 (native up to 64 rows: decode; `_int_mm` for prefill chunks),
+weight-only kernel up to 16 rows, dynamic int8 activations and `_int_mm` above), int8-native
+(the native kernel at every row count: RADIXSERVE_INT8_WEIGHT_ONLY=1), int8-intmm (torch's
+kernels only, what a failed build runs: `_weight_int8pack_mm` for <= 2 rows, `_int_mm` above),
 int8-fphead (LM head kept in float), int8-bf16 (bf16 activations), int8-wonly (torch's
 weight-only kernel at every row count; slow at 32 rows).
 
@@ -47,7 +47,7 @@ CONFIGS: dict[str, tuple[dict[str, str], bool, bool, int | None]] = {
     "bf16": ({"dtype": "bfloat16"}, False, False, None),
     "int8": ({"dtype": "float32", "quantization": "int8"}, False, False, None),
     "int8-intmm": ({"dtype": "float32", "quantization": "int8"}, False, False, 0),
-    "int8-native64": ({"dtype": "float32", "quantization": "int8"}, False, False, 64),
+    "int8-native": ({"dtype": "float32", "quantization": "int8"}, False, False, 1 << 62),
     "int8-fphead": ({"dtype": "float32", "quantization": "int8"}, True, False, None),
     "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, False, False, None),
     "int8-wonly": ({"dtype": "float32", "quantization": "int8"}, False, True, 0),
@@ -156,7 +156,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"\n{args.model}, {threads} thread(s), tok/s median of {args.runs} (median ratio to "
           "fp32 within a run)")
-    print(f"{'config':<12} {'decode b1':>16} {'decode b32':>16} {'prefill':>16} "
+    print(f"{'config':<13} {'decode b1':>16} {'decode b32':>16} {'prefill':>16} "
           f"{'linear MB':>10} {'prefix agr':>10} {'overall':>8} {'|dlogp|':>8} "
           f"{'forced':>7}")
     nan = float("nan")
@@ -170,7 +170,7 @@ def main() -> None:
         q.forced_agree = forced_agree(llm, chats, ref)
         layers, head = llm.engine.runner.model.linear_weight_bytes()
         cells = [f"{med[n][k]:7.1f} ({ratio[n][k]:4.2f}x)" for k in ("b1", "b32", "pre")]
-        print(f"{n:<12} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
+        print(f"{n:<13} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
               f"{(layers + head) / 1e6:10.1f} {q.prefix_agree:10.3f} {q.overall_agree:8.3f} "
               f"{q.mean_abs_logprob_diff:8.4f} {q.forced_agree:7.3f}")
 

@@ -130,17 +130,25 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32, 64, 300])
-def test_int8_linear_uses_the_native_kernel_at_every_row_count(
-        monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "all_weight_only", "native"),
+                         [(1, False, True), (3, False, True), (16, False, True),
+                          (17, False, False), (64, False, False), (64, True, True),
+                          (300, True, True)])
+def test_int8_linear_dispatch(monkeypatch: pytest.MonkeyPatch, rows: int,
+                              all_weight_only: bool, native: bool) -> None:
+    """The native kernel up to NATIVE_MAX_ROWS (16) rows, int8 x int8 above; every row count
+    with RADIXSERVE_INT8_WEIGHT_ONLY=1."""
+    if all_weight_only:
+        monkeypatch.setenv(quant.ENV_ALL_WEIGHT_ONLY, "1")
     calls = _spy(monkeypatch)
     gen = torch.Generator().manual_seed(rows)
     lin = Int8Linear(torch.randn(40, 24, generator=gen) * 0.1)
-    assert lin.native is not None and quant.NATIVE_MAX_ROWS >= 2048
+    assert lin.native is not None and quant.NATIVE_MAX_ROWS == 16
     x = torch.randn(rows, 24, generator=gen)
     y = lin(x)
-    assert calls == []  # neither of torch's kernels
-    assert torch.equal(y, kernel()(x, lin.qweight, lin.scale))
+    assert calls == ([] if native else ["int_mm"])
+    if native:
+        assert torch.equal(y, kernel()(x, lin.qweight, lin.scale))
 
 
 @pytest.mark.parametrize(("rows", "expected"), [(1, "wonly"), (2, "wonly"), (3, "int_mm"),
