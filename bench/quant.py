@@ -3,10 +3,12 @@
     python -m bench.quant                       # smollm2-135m, median of 3
     python -m bench.quant --runs 1 --configs fp32,int8
 
-Configs: fp32, bf16, int8 (fp32 activations; the kernels of model/quant.py: weight-only for
-<= 2 rows, dynamic int8 activations above), int8-fphead (LM head kept in float), int8-bf16
-(bf16 activations), int8-wonly (the weight-only kernel at every row count: no activation
-quantization, isolates its cost in quality; slow at 32 rows).
+Configs: fp32, bf16, int8 (fp32 activations; the kernels of model/quant.py: the native
+weight-only kernel up to 16 rows, dynamic int8 activations and `_int_mm` above), int8-native
+(the native kernel at every row count: RADIXSERVE_INT8_WEIGHT_ONLY=1), int8-intmm (torch's
+kernels only, what a failed build runs: `_weight_int8pack_mm` for <= 2 rows, `_int_mm` above),
+int8-fphead (LM head kept in float), int8-bf16 (bf16 activations), int8-wonly (torch's
+weight-only kernel at every row count; slow at 32 rows).
 
 Every engine is loaded once and the runs interleave (config A, B, C, A, B, C, ...), so that
 load on this shared machine hits all of them alike. Speed: decode tok/s of one sequence and
@@ -38,14 +40,17 @@ TOPICS = [
     "the printing press", "recycling plastics", "sleep", "the Great Wall of China", "tides",
     "prime numbers", "bread baking",
 ]
-# name -> (LLM kwargs, keep the LM head in float, weight-only kernel for every row count)
-CONFIGS: dict[str, tuple[dict[str, str], bool, bool]] = {
-    "fp32": ({"dtype": "float32"}, False, False),
-    "bf16": ({"dtype": "bfloat16"}, False, False),
-    "int8": ({"dtype": "float32", "quantization": "int8"}, False, False),
-    "int8-fphead": ({"dtype": "float32", "quantization": "int8"}, True, False),
-    "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, False, False),
-    "int8-wonly": ({"dtype": "float32", "quantization": "int8"}, False, True),
+# name -> (LLM kwargs, keep the LM head in float, torch's weight-only kernel for every row count,
+# the native kernel up to this many rows (None: quant.py's default))
+CONFIGS: dict[str, tuple[dict[str, str], bool, bool, int | None]] = {
+    "fp32": ({"dtype": "float32"}, False, False, None),
+    "bf16": ({"dtype": "bfloat16"}, False, False, None),
+    "int8": ({"dtype": "float32", "quantization": "int8"}, False, False, None),
+    "int8-intmm": ({"dtype": "float32", "quantization": "int8"}, False, False, 0),
+    "int8-native": ({"dtype": "float32", "quantization": "int8"}, False, False, 1 << 62),
+    "int8-fphead": ({"dtype": "float32", "quantization": "int8"}, True, False, None),
+    "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, False, False, None),
+    "int8-wonly": ({"dtype": "float32", "quantization": "int8"}, False, True, 0),
 }
 
 
@@ -58,17 +63,20 @@ class Quality:
 
 
 def load(name: str, model: str) -> LLM:
-    kwargs, float_head, weight_only = CONFIGS[name]
+    kwargs, float_head, weight_only, native_rows = CONFIGS[name]
     llm = LLM(model, kv_cache_tokens=6144, max_model_len=4096, **kwargs)  # type: ignore[arg-type]
     m = llm.engine.runner.model
     if float_head:  # the LM head in the activation dtype, the layers int8
         m.lm_head = make_linear(m.embed, None, None)
-    if weight_only:  # int8 weights x bf16 activations at every row count: no activation quant
-        linears = [m.lm_head] + [x for lay in m.layers
-                                 for x in (lay.qkv, lay.o_proj, lay.mlp.gate_up_q, lay.mlp.down)]
-        for lin in linears:
-            if isinstance(lin, Int8Linear):
-                lin.weight_only_max_rows = 1 << 30
+    linears = [m.lm_head] + [x for lay in m.layers
+                             for x in (lay.qkv, lay.o_proj, lay.mlp.gate_up_q, lay.mlp.down)]
+    for lin in linears:
+        if not isinstance(lin, Int8Linear):
+            continue
+        if weight_only:  # int8 weights x bf16 activations at every row count: no activation quant
+            lin.weight_only_max_rows = 1 << 30
+        if native_rows is not None:
+            lin.native_max_rows = native_rows
     return llm
 
 
@@ -148,7 +156,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"\n{args.model}, {threads} thread(s), tok/s median of {args.runs} (median ratio to "
           "fp32 within a run)")
-    print(f"{'config':<12} {'decode b1':>16} {'decode b32':>16} {'prefill':>16} "
+    print(f"{'config':<13} {'decode b1':>16} {'decode b32':>16} {'prefill':>16} "
           f"{'linear MB':>10} {'prefix agr':>10} {'overall':>8} {'|dlogp|':>8} "
           f"{'forced':>7}")
     nan = float("nan")
@@ -162,7 +170,7 @@ def main() -> None:
         q.forced_agree = forced_agree(llm, chats, ref)
         layers, head = llm.engine.runner.model.linear_weight_bytes()
         cells = [f"{med[n][k]:7.1f} ({ratio[n][k]:4.2f}x)" for k in ("b1", "b32", "pre")]
-        print(f"{n:<12} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
+        print(f"{n:<13} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
               f"{(layers + head) / 1e6:10.1f} {q.prefix_agree:10.3f} {q.overall_agree:8.3f} "
               f"{q.mean_abs_logprob_diff:8.4f} {q.forced_agree:7.3f}")
 

@@ -1,7 +1,8 @@
 """Matmul kernels for SmolLM2-135M's linear shapes: fp32 and bf16 (plain and oneDNN-prepacked),
 int8 weight-only (`_weight_int8pack_mm`, fp32 or bf16 activations), int8 x int8 (`_int_mm`
-with per-row activation quantization). Why model/quant.py and model/auto_dtype.py choose
-what they choose.
+with per-row activation quantization), the project's native weight-only int8 GEMM
+(model/int8_kernel.py, fp32 activations; column w8native). Why model/quant.py and
+model/auto_dtype.py choose what they choose.
 
     python -m bench.quant_kernels                    # 1 thread, rows 1,32,2048, 30 layers
     python -m bench.quant_kernels --rows 1,2,4,8 --layers 8
@@ -22,6 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.int8_kernel import load_int8_gemm
 from radixserve.model.quant import Int8Linear, quantize_rows
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -42,7 +44,8 @@ def timed(fn: Callable[[], None], reps: int) -> float:
 def kernels(layers: int, gen: torch.Generator) -> dict[str, list[tuple[str, Kernel]]]:
     """kernel name -> [(shape name, fn(x fp32) -> y)] over `layers` distinct weights per shape."""
     out: dict[str, list[tuple[str, Kernel]]] = {k: [] for k in (
-        "fp32", "fp32-packed", "bf16", "bf16-packed", "w8a32", "w8a16", "w8a8")}
+        "fp32", "fp32-packed", "bf16", "bf16-packed", "w8a32", "w8a16", "w8a8", "w8native")}
+    native = load_int8_gemm()
     for name, (n, k) in SHAPES.items():
         for _ in range(layers):
             w = torch.randn(n, k, generator=gen) * 0.02
@@ -57,6 +60,8 @@ def kernels(layers: int, gen: torch.Generator) -> dict[str, list[tuple[str, Kern
             out["w8a32"].append((name, partial(_w8, q=q.qweight, s=q.scale)))
             out["w8a16"].append((name, partial(_w8, q=q.qweight, s=q.scale_bf16)))
             out["w8a8"].append((name, partial(_w8a8, q=q)))
+            if native is not None:
+                out["w8native"].append((name, partial(native, qweight=q.qweight, scale=q.scale)))
     return out
 
 
@@ -98,7 +103,7 @@ def main() -> None:
         reps = 1 if rows >= 1024 else 5
         res = {}
         for kname, fns in ks.items():
-            if kname in args.skip.split(","):
+            if kname in args.skip.split(",") or not fns:
                 continue
             inputs = xb if kname in ("bf16", "bf16-packed", "w8a16") else xs
             res[kname] = timed(_runner(fns, inputs), reps)

@@ -70,7 +70,7 @@ def test_int8_linear_matches_dequantized_reference(rows: int, dtype: torch.dtype
     y = lin(x)
     assert y.shape == (rows, 80) and y.dtype == dtype
     rel = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-    assert rel < 0.03, rel  # int8 activations above WEIGHT_ONLY_MAX_ROWS, bf16 below
+    assert rel < 0.03, rel  # int8 activations above quant.NATIVE_MAX_ROWS, bf16 below
     residual = torch.randn(rows, 80, generator=gen).to(dtype)
     assert torch.allclose(lin.add_to(residual, x).float(), residual.float() + y.float(),
                           atol=0.05)
@@ -141,11 +141,11 @@ def test_engine_int8_on_smollm2_agrees_with_fp32() -> None:
     del fp32
     int8 = LLM(model="smollm2-135m", dtype="float32", quantization="int8",
                kv_cache_tokens=4096, max_model_len=2048)
-    batched = _greedy(int8, prompts, 8)  # 8 rows: int8 activations x int8 weights
+    batched = _greedy(int8, prompts, 8)  # prefill: int8 x int8; 8-row decode: weight-only
     alone = [_greedy(int8, [p], 8)[0] for p in prompts[:2]]  # 1 row: the weight-only kernel
     assert sum(r[0] == g[0] for r, g in zip(ref, batched, strict=True)) >= 6
-    # Measured here: 0.72 batched, 0.81 alone (8 tokens); a wrong kernel scores ~0. Greedy
-    # agreement of a 135M model is fragile: bf16 alone scores 0.82 over 32 tokens.
+    # Measured before the native kernel: 0.72 batched, 0.81 alone (8 tokens); a wrong kernel
+    # scores ~0. Greedy agreement of a 135M model is fragile: bf16 alone scores 0.82 over 32.
     assert _prefix_agreement(ref, batched) >= 0.5
     assert _prefix_agreement(ref[:2], alone) >= 0.5
     text = int8.tokenizer.decode(batched[0])

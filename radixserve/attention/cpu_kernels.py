@@ -44,7 +44,7 @@ PagedDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 PrefillAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def _ninja_on_path() -> None:
+def ninja_on_path() -> None:
     """torch runs `ninja` from PATH; the `ninja` wheel's binary is in the venv, which a
     `.venv/bin/python ...` run does not put on PATH."""
     try:
@@ -56,7 +56,7 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     """A short digest of this CPU's feature flags (/proc/cpuinfo; the machine type elsewhere)."""
     flags = platform.machine()
     with contextlib.suppress(OSError):
@@ -81,8 +81,8 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        _ninja_on_path()
-        load(name=f"{EXT_BASE}_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
+        ninja_on_path()
+        load(name=f"{EXT_BASE}_{cpu_tag()}", sources=[str(s) for s in SOURCES],
              extra_cflags=CFLAGS, is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
         logger.warning("CPU attention kernels unavailable (%s: %s); using torch",

@@ -5,27 +5,45 @@ reverse, and `Int8Linear`, which computes x @ W.T with the int8 weight as stored
 keeps a float copy). Does not know: the model's layers (llama.py decides which Linear is
 quantized), configs, devices beyond "cpu or not".
 
-Kernels (measured on a 2-core AVX512-BF16/VNNI EPYC without AMX, torch 2.13, SmolLM2-135M
-shapes, 30 distinct layers, 1 thread; see bench/README.md):
-- a handful of rows (decode of one or two sequences): torch's weight-only int8 kernel
-  `aten._weight_int8pack_mm` on bf16 activations: 4x fp32's F.linear at 1 row. It is slow for
-  more rows (0.5x fp32 at 32 rows) and very slow on fp32 activations (0.02x at 32 rows).
+Kernels on CPU (measured on a 2-core AVX512-BF16/VNNI EPYC without AMX, torch 2.13, SmolLM2-135M
+shapes, 30 distinct layers, 1 thread; `python -m bench.quant_kernels`, see bench/README.md):
+- up to NATIVE_MAX_ROWS (16) rows (decode of a few sequences): the project's native
+  weight-only kernel (int8_kernel.py: activations rounded to bf16, int8 weights widened to
+  bf16 in the kernel, fp32 accumulation): ~5x fp32's F.linear at 1 row (2x torch's
+  `_weight_int8pack_mm`), ~3-5x at 4-16 rows. Activations are not quantized.
 - more rows (batched decode, prefill): the activations are quantized per row (dynamic,
-  symmetric) and `torch._int_mm` multiplies int8 by int8 into int32 (VNNI): 1.7x fp32 at
-  32 rows, 2.8x at 2048. The int32 result is rescaled by row scale x channel scale.
+  symmetric) and `torch._int_mm` multiplies int8 by int8 into int32 (VNNI): ~2.5-3.5x fp32
+  from 32 rows up, where the native kernel (bf16 compute, ~2x) is slower; but per-step
+  agreement with fp32 drops from ~0.97 to ~0.89 (bench/README.md). The int32 result is
+  rescaled by row scale x channel scale. RADIXSERVE_INT8_WEIGHT_ONLY=1: the native kernel at
+  every row count instead.
+- where the native kernel did not build (or RADIXSERVE_NO_CPU_KERNELS=1): torch's weight-only
+  kernel for <= WEIGHT_ONLY_MAX_ROWS rows (bf16 activations; ~1x fp32 at 32 rows, so not
+  above), `_int_mm` above.
 - not on CPU (CUDA): weight-only: the int8 weight is widened to the activation dtype inside
   the call (correct by construction; no custom kernel is claimed).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.int8_kernel import Int8Gemm, load_int8_gemm
+
 QMAX = 127  # symmetric: -127..127, so that negation never overflows
-WEIGHT_ONLY_MAX_ROWS = 2  # at or below: the weight-only kernel; above: int8 x int8
+# The native weight-only kernel (int8_kernel.py) at or below this many rows, int8 x int8 above:
+# the measured crossover (bench/README.md: at 16 rows both ~1.1x each other, at 32 `_int_mm`
+# is ~1.35x faster). ENV_ALL_WEIGHT_ONLY=1: the native kernel at every row count (quality:
+# activations never quantized; per-step agreement with fp32 0.971 instead of 0.887, but
+# decode at batch 32 and prefill slower).
+NATIVE_MAX_ROWS = 16
+ENV_ALL_WEIGHT_ONLY = "RADIXSERVE_INT8_WEIGHT_ONLY"
+# Without the native kernel: at or below, torch's weight-only kernel; above: int8 x int8.
+WEIGHT_ONLY_MAX_ROWS = 2
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale (and dequantizes to zeros)
 
 
@@ -79,6 +97,10 @@ class Int8Linear:
         self.on_cpu = weight.device.type == "cpu"
         self.weight_only_ok = self.on_cpu and _has_weight_int8pack_mm()
         self.weight_only_max_rows = WEIGHT_ONLY_MAX_ROWS  # bench/quant.py raises it to compare
+        # None where the build failed or RADIXSERVE_NO_CPU_KERNELS=1: torch's kernels only
+        self.native: Int8Gemm | None = load_int8_gemm() if self.on_cpu else None
+        self.native_max_rows = (1 << 62) if os.environ.get(ENV_ALL_WEIGHT_ONLY) == "1" \
+            else NATIVE_MAX_ROWS  # bench/quant.py sets it to compare
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +110,8 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N) in x's dtype
         if not self.on_cpu:
             y = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+        elif self.native is not None and x.shape[0] <= self.native_max_rows:
+            y = self.native(x, self.qweight, self.scale)
         elif x.shape[0] <= self.weight_only_max_rows and self.weight_only_ok:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight,
                                                    self.scale_bf16).to(x.dtype)
