@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench.decode_attention import HKV, HQ, LAYERS, D  # SmolLM2-135M shapes
+from bench.decode_attention import step as forward  # LAYERS x backend.forward, timed
 from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import load_prefill_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.types import Phase
-
-LAYERS, HQ, HKV, D = 30, 9, 3, 64
 
 
 def extend_meta(tokens: int, prefix: int) -> tuple[AttentionMetadata, int]:
@@ -42,16 +41,6 @@ def extend_meta(tokens: int, prefix: int) -> tuple[AttentionMetadata, int]:
         out_slots=table[0, prefix:].long(), prefix_lens_cpu=(prefix,), extend_lens_cpu=(tokens,),
         max_seq_len=seq, max_extend_len=tokens, rows_cpu=(0,))
     return meta, seq
-
-
-def forward(backend: TorchAttentionBackend, qkv: list[torch.Tensor], k: torch.Tensor,
-            v: torch.Tensor, meta: AttentionMetadata) -> tuple[float, torch.Tensor]:
-    t = time.perf_counter()
-    out = torch.empty(0)
-    for i in range(LAYERS):
-        q, kn, vn = qkv[i].split([HQ, HKV, HKV], dim=1)
-        out = backend.forward(q, kn, vn, k[i], v[i], meta, D**-0.5)
-    return time.perf_counter() - t, out
 
 
 def main() -> None:
