@@ -161,20 +161,27 @@ async def test_drain_gives_up_after_shutdown_timeout(model_dir: Path) -> None:
         resp.close()
 
 
+async def post_slow_reader(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    """POST `body` on a raw connection with a tiny receive buffer that the caller never reads
+    (a client that stops taking bytes); the caller closes the socket."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills up fast
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    raw = orjson.dumps(body)
+    await loop.sock_sendall(sock, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                                  f"{len(raw)}\r\n\r\n".encode() + raw)
+    return sock
+
+
 async def test_stalled_stream_reader_is_dropped_and_aborted(model_dir: Path) -> None:
     body = {"prompt": "abcdefgh" * 8, "max_tokens": 400, "n": 64, "stream": True,
             "logprobs": 5, **GREEDY}  # ~40 MB of events: far more than socket buffers hold
     async with serve(model_dir, step_interval=0.005, send_timeout=0.3) as tc:
         assert tc.app is not None and tc.server.port is not None
         state = tc.app[STATE_KEY]
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills up fast
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, ("127.0.0.1", tc.server.port))
-        raw = orjson.dumps(body)
-        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                               b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+        sock = await post_slow_reader(tc.server.port, "/v1/completions", body)
         # ... and never reads: the server gives up on it and aborts the 64 choices.
         await wait_until(lambda: state.admission.num_requests == 1, what="admitted")
         await wait_until(lambda: state.admission.num_requests == 0, timeout=60,

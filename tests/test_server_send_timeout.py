@@ -11,13 +11,13 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from radixserve.server import sse
 from tests.test_server import GREEDY, TOKENIZER, serve
+from tests.test_server_bounds import post_slow_reader
 from tests.waiting import wait_until
 
 
@@ -77,14 +77,8 @@ async def test_stalled_reader_of_a_large_json_response_is_dropped(
         server = tc.server.runner.server
         assert server is not None
         before = set(server.connections)  # the test client's own keep-alive connection
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
+        sock = await post_slow_reader(tc.server.port, "/v1/completions", body)
         loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, ("127.0.0.1", tc.server.port))
-        raw = orjson.dumps(body)
-        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                               b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
         await wait_until(lambda: len(set(server.connections) - before) == 1, what="connected")
         (ours,) = set(server.connections) - before
         first = await loop.sock_recv(sock, 64)  # the status line came: the body is being sent
