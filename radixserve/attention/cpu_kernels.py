@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,23 +72,27 @@ def _registered() -> bool:
         torch.ops.radixserve, "prefill_attention")
 
 
-def _build() -> bool:
-    """Build (or load the cached build of) the extension once per process; False on failure."""
-    if os.environ.get(ENV_DISABLE) == "1":
-        return False
-    if _registered():
-        return True
+def build_extension(name: str, sources: Sequence[Path], what: str) -> bool:
+    """Build (or load the cached build of) a C++ extension registering torch ops; False, with
+    one warning naming `what`, when that fails (the caller keeps its torch path)."""
     try:
         from torch.utils.cpp_extension import load
 
         ninja_on_path()
-        load(name=f"{EXT_BASE}_{cpu_tag()}", sources=[str(s) for s in SOURCES],
+        load(name=f"{name}_{cpu_tag()}", sources=[str(s) for s in sources],
              extra_cflags=CFLAGS, is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
-        logger.warning("CPU attention kernels unavailable (%s: %s); using torch",
+        logger.warning("%s unavailable (%s: %s); using torch's kernels", what,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return False
     return True
+
+
+def _build() -> bool:
+    """Build (or load the cached build of) the extension once per process; False on failure."""
+    if os.environ.get(ENV_DISABLE) == "1":
+        return False
+    return _registered() or build_extension(EXT_BASE, SOURCES, "CPU attention kernels")
 
 
 def load_paged_decode() -> PagedDecode | None:

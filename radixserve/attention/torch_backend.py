@@ -35,7 +35,13 @@ import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention
-from radixserve.attention.varlen import Split, attend_long, split_batch
+from radixserve.attention.varlen import (
+    Split,
+    attend_long,
+    merge_outputs,
+    split_batch,
+    token_offsets,
+)
 
 MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
 
@@ -168,9 +174,7 @@ def _make_decode_plan(meta: AttentionMetadata) -> _DecodePlan:
 
 def _groups(meta: AttentionMetadata) -> list[_Group]:
     groups = []
-    cu = [0]
-    for n in meta.extend_lens_cpu:
-        cu.append(cu[-1] + n)
+    cu = token_offsets(meta.extend_lens_cpu)
     for g in meta.shared:
         members = g.members_cpu or tuple(g.members.tolist())
         token_rows = None
@@ -301,8 +305,7 @@ class TorchAttentionBackend:
         o1, lse1 = out, lse
         if g.token_rows is not None:
             o1, lse1 = out.index_select(0, g.token_rows), lse.index_select(0, g.token_rows)
-        own_weight = torch.sigmoid(lse1 - lse2).unsqueeze(-1)  # (N, Hkv, G, 1) float32
-        merged = torch.lerp(o2.float(), o1.float(), own_weight).to(out.dtype)
+        merged = merge_outputs(o2, lse2, o1, lse1)  # (N, Hkv, G, D)
         if g.token_rows is None:
             return merged
         return out.index_copy(0, g.token_rows, merged)

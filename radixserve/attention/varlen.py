@@ -19,7 +19,8 @@ Does not know: the model, the scheduler, how the pool is laid out beyond the slo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,11 @@ MIN_VARLEN_TOKENS = 64
 # SmolLM2's heads; 9.8 -> 7.8 ms; chunks of 128 or 256 alike).
 CAUSAL_CHUNK = 256
 
+
+
+def token_offsets(extend_lens: Sequence[int]) -> list[int]:
+    """cu[b]: request b's first token in a forward's q/k/v; cu[-1]: the forward's tokens."""
+    return list(itertools.accumulate(extend_lens, initial=0))
 
 @dataclass(frozen=True)
 class Split:
@@ -57,9 +63,7 @@ def split_batch(meta: AttentionMetadata) -> Split:
 
 
 def _token_rows(meta: AttentionMetadata, members: list[int]) -> torch.Tensor:
-    cu = [0]
-    for n in meta.extend_lens_cpu:
-        cu.append(cu[-1] + n)
+    cu = token_offsets(meta.extend_lens_cpu)
     rows = [r for b in members for r in range(cu[b], cu[b + 1])]
     return torch.tensor(rows, dtype=torch.int64, device=meta.rows.device)
 
@@ -71,9 +75,7 @@ def subset_meta(meta: AttentionMetadata, members: list[int]) -> AttentionMetadat
     new_index = {b: i for i, b in enumerate(members)}
     extend = [meta.extend_lens_cpu[b] for b in members]
     prefix = [meta.prefix_lens_cpu[b] for b in members]
-    cu = [0]
-    for n in extend:
-        cu.append(cu[-1] + n)
+    cu = token_offsets(extend)
     shared = []
     own_start = [meta.own_start_cpu[b] if meta.own_start_cpu else 0 for b in members]
     for g in meta.shared:
@@ -119,12 +121,19 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 Gather = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (cache, slots, key)
 
 
-def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_outputs(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+                  ) -> torch.Tensor:
     """Two partial attentions of the same queries over disjoint keys, merged by log-sum-exp:
-    o = o1 + sigmoid(lse2 - lse1) * (o2 - o1), each part weighted by its softmax mass."""
-    weight = torch.sigmoid(lse2 - lse1).unsqueeze(-1)  # (1, Hq, n, 1) float32
-    return torch.lerp(o1.float(), o2.float(), weight).to(o1.dtype), torch.logaddexp(lse1, lse2)
+    o = o1 + sigmoid(lse2 - lse1) * (o2 - o1), each part weighted by its softmax mass.
+    o: (..., n, D) in the attention dtype, lse: (..., n) float32; the result in o1's dtype."""
+    weight = torch.sigmoid(lse2 - lse1).unsqueeze(-1)  # (..., n, 1) float32
+    return torch.lerp(o1.float(), o2.float(), weight).to(o1.dtype)
+
+
+def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_outputs, and the merged log-sum-exp (for a further merge)."""
+    return merge_outputs(o1, lse1, o2, lse2), torch.logaddexp(lse1, lse2)
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -150,9 +159,7 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     if kernel is not None and kernel_applies(q, k, v):
         _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel)
         return
-    cu = [0]
-    for n in meta.extend_lens_cpu:
-        cu.append(cu[-1] + n)
+    cu = token_offsets(meta.extend_lens_cpu)
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # (n, H, D) -> (1, H, n, D), a view
         return x.transpose(0, 1).unsqueeze(0)
@@ -169,10 +176,10 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
             qc = heads(q[s + c0 : s + c1])  # (1, Hq, c, D)
             o, lse = _flash(qc, heads(k[s + c0 : s + c1]), heads(v[s + c0 : s + c1]), True, scale)
             if c0:  # this forward's tokens before the chunk: all visible
-                o, lse = _merge(o, lse, *_flash(qc, heads(k[s : s + c0]), heads(v[s : s + c0]),
+                o, lse = merge_partials(o, lse, *_flash(qc, heads(k[s : s + c0]), heads(v[s : s + c0]),
                                                 False, scale))
             if kp is not None and vp is not None:
-                o, lse = _merge(o, lse, *_flash(qc, kp, vp, False, scale))
+                o, lse = merge_partials(o, lse, *_flash(qc, kp, vp, False, scale))
             out[s + c0 : s + c1] = o[0].transpose(0, 1)
 
 
@@ -189,9 +196,7 @@ def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kernel: PrefillAttention) -> None:
     """attend_long through the native kernel: one call per extend, its whole chunk causal on
     itself and unmasked on its prefix (slots read from the pool, no gather)."""
-    cu = [0]
-    for n in meta.extend_lens_cpu:
-        cu.append(cu[-1] + n)
+    cu = token_offsets(meta.extend_lens_cpu)
     for b in long:
         s, e = cu[b], cu[b + 1]
         slots = meta.slot_table[meta.rows_cpu[b], : meta.prefix_lens_cpu[b]]  # (P,) int32

@@ -18,6 +18,7 @@ import torch
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.attention.varlen import token_offsets
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.cpu_threads import choose_num_threads
@@ -178,9 +179,7 @@ class ModelRunner:
         table = self.pool.slot_table
         extend_lens = list(batch.extend_lens)
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=False)]
-        cu = [0]
-        for n in extend_lens:
-            cu.append(cu[-1] + n)
+        cu = token_offsets(extend_lens)
         rows = [r.table_row for r in batch.reqs]
         shared: list[SharedPrefix] = []
         own_start = [0] * len(rows)

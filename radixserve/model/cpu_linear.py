@@ -20,9 +20,12 @@ oneDNN (or bf16 support in it), or `prepack=False`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.int8_kernel import Int8Gemm
 from radixserve.model.quant import Int8Linear
 
 PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; any row count works
@@ -85,9 +88,11 @@ class Linear:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None,
-                prepacked: bool = True) -> Linear | Int8Linear:
+                prepacked: bool = True, int8_gemm: Int8Gemm | None | Literal["load"] = "load"
+                ) -> Linear | Int8Linear:
+    """`int8_gemm`: Int8Linear's `native` kernel (pass one loaded once for many layers)."""
     if quantization == "int8":
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias, int8_gemm)
     assert quantization is None, quantization  # validated at the edge (EngineConfig)
     return Linear(weight, bias, prepacked)
 
@@ -102,10 +107,11 @@ class GatedMLP:
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
-                 quantization: str | None = None, prepacked: bool = True) -> None:
+                 quantization: str | None = None, prepacked: bool = True,
+                 int8_gemm: Int8Gemm | None | Literal["load"] = "load") -> None:
         inter = gate_up.shape[0] // 2
-        self.down = make_linear(down, None, quantization, prepacked)
-        self.gate_up_q = Int8Linear(gate_up) if quantization == "int8" else None
+        self.down = make_linear(down, None, quantization, prepacked, int8_gemm)
+        self.gate_up_q = Int8Linear(gate_up, None, int8_gemm) if quantization == "int8" else None
         gate = up = None
         if self.gate_up_q is None:
             gate, up = prepack(gate_up[:inter], prepacked), prepack(gate_up[inter:], prepacked)

@@ -17,16 +17,13 @@ returns None and Int8Linear keeps torch's kernels.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from radixserve.attention.cpu_kernels import CFLAGS, ENV_DISABLE, cpu_tag, ninja_on_path
-
-logger = logging.getLogger(__name__)
+from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
 EXT_BASE = "radixserve_int8_gemm_v2"  # bump with the source: a fresh build, not a stale one
@@ -42,17 +39,8 @@ def load_int8_gemm() -> Int8Gemm | None:
     """torch.ops.radixserve.int8_weight_gemm, built on first use; None where unavailable."""
     if os.environ.get(ENV_DISABLE) == "1":
         return None
-    if not _registered():
-        try:
-            from torch.utils.cpp_extension import load
-
-            ninja_on_path()
-            load(name=f"{EXT_BASE}_{cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                 is_python_module=False, verbose=False)
-        except Exception as e:  # noqa: BLE001  any build failure: keep torch's kernels
-            logger.warning("CPU int8 GEMM kernel unavailable (%s: %s); using torch's",
-                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            return None
+    if not (_registered() or build_extension(EXT_BASE, [SOURCE], "CPU int8 GEMM kernel")):
+        return None
     op: Int8Gemm = torch.ops.radixserve.int8_weight_gemm
     return op
 

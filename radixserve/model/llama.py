@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
+from radixserve.model.int8_kernel import load_int8_gemm
 from radixserve.model.quant import Int8Linear
 from radixserve.model.rope import RotaryTable
 from radixserve.model.spec import ModelSpec
@@ -62,14 +63,18 @@ class LlamaModel:
         self.embed = weights.embed  # (vocab, hidden)
         self.final_norm = weights.final_norm  # (hidden,)
         q = quantization
+        # One load (or one failed build) of the int8 kernel for every layer, not one each.
+        gemm = load_int8_gemm() if q == "int8" and self.embed.device.type == "cpu" else None
         self.layers = [
-            _Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, q), make_linear(lw.o_proj, None, q),
-                   lw.post_norm, GatedMLP(lw.gate_up, lw.down, q))
+            _Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, q, int8_gemm=gemm),
+                   make_linear(lw.o_proj, None, q, int8_gemm=gemm), lw.post_norm,
+                   GatedMLP(lw.gate_up, lw.down, q, int8_gemm=gemm))
             for lw in weights.layers
         ]
         # Tied embeddings: the packed (or int8) LM head is a second layout of the embedding
         # (+vocab x hidden), worth it since the head is the largest single matmul of a step.
-        self.lm_head = make_linear(weights.lm_head, None, q if quantize_lm_head else None)
+        self.lm_head = make_linear(weights.lm_head, None, q if quantize_lm_head else None,
+                                   int8_gemm=gemm)
 
     def linear_weight_bytes(self) -> tuple[int, int]:
         """(bytes of the decoder layers' linear weights, bytes of the LM head's weight)."""

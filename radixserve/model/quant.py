@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,10 @@ def _has_weight_int8pack_mm() -> bool:
 class Int8Linear:
     """y = x @ W.T (+ bias) with W held as int8 plus per-channel scales; the Linear interface."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 native: Int8Gemm | None | Literal["load"] = "load") -> None:
+        """`native`: the kernel from load_int8_gemm(), loaded once by the model's builder for
+        all its layers ("load": this layer loads it; None: torch's kernels only)."""
         w = quantize_per_channel(weight)
         self.qweight = w.qweight.to(weight.device)  # (N, K) int8
         self.scale = w.scale.to(weight.device)  # (N,) float32
@@ -98,7 +102,9 @@ class Int8Linear:
         self.weight_only_ok = self.on_cpu and _has_weight_int8pack_mm()
         self.weight_only_max_rows = WEIGHT_ONLY_MAX_ROWS  # bench/quant.py raises it to compare
         # None where the build failed or RADIXSERVE_NO_CPU_KERNELS=1: torch's kernels only
-        self.native: Int8Gemm | None = load_int8_gemm() if self.on_cpu else None
+        if native == "load":
+            native = load_int8_gemm() if self.on_cpu else None
+        self.native: Int8Gemm | None = native if self.on_cpu else None
         self.native_max_rows = (1 << 62) if os.environ.get(ENV_ALL_WEIGHT_ONLY) == "1" \
             else NATIVE_MAX_ROWS  # bench/quant.py sets it to compare
 

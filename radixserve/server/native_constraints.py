@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.constraints import Constraint
 from radixserve.grammar.validate import check_constraint
 from radixserve.server.constraint_check import Check
 from radixserve.server.fields import bad
@@ -44,21 +42,18 @@ def constraint_of(kind: str, value: Any, param: str, check: Check = check_constr
     """`value` read as the native field `kind` (one of NATIVE_CONSTRAINT_FIELDS), validated;
     errors name `param`, the field as the client spelled it."""
     if kind == "json_schema":
-        if isinstance(value, (dict, bool)):
-            text = orjson.dumps(value).decode()
-        else:
-            text = _string(value, param)
-        constraint = Constraint(ConstraintKind.JSON_SCHEMA, text)
+        schema = value if isinstance(value, (dict, bool)) else _string(value, param)
+        constraint = Constraint.json_schema(schema)
     elif kind == "regex":
-        constraint = Constraint(ConstraintKind.REGEX, _string(value, param))
+        constraint = Constraint.regex(_string(value, param))
     elif kind == "ebnf":
-        constraint = Constraint(ConstraintKind.EBNF, _string(value, param))
+        constraint = Constraint.grammar(_string(value, param))
     else:
         assert kind == "choice", kind
         if not (isinstance(value, list) and value and all(isinstance(s, str) and s for s in value)):
             raise bad(f"'{param}' must be a non-empty list of non-empty strings", param)
         if len(value) > MAX_CHOICES:
             raise bad(f"'{param}' holds at most {MAX_CHOICES} strings, got {len(value)}", param)
-        constraint = Constraint(ConstraintKind.CHOICE, choices=tuple(dict.fromkeys(value)))
+        constraint = Constraint.choice(value)
     check(constraint, param)
     return constraint

@@ -17,9 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import orjson
-
-from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.constraints import Constraint
 from radixserve.server.constraint_check import Check
 from radixserve.server.fields import bad
 
@@ -50,7 +48,7 @@ def _json_schema(value: dict[str, Any], check: Check) -> Constraint:
     if not isinstance(schema, (dict, bool)):
         raise bad("'response_format.json_schema.schema' must be a JSON schema (an object)",
                   PARAM)
-    constraint = Constraint(ConstraintKind.JSON_SCHEMA, orjson.dumps(schema).decode())
+    constraint = Constraint.json_schema(schema)
     check(constraint, PARAM)
     return constraint
 
@@ -67,7 +65,7 @@ def parse_response_format(value: Any, check: Check) -> Constraint | None:
         return None
     if kind == "json_object":
         _only(value, {"type"}, PARAM)
-        return Constraint(ConstraintKind.JSON_OBJECT)
+        return Constraint.json_object()
     if kind == "json_schema":
         return _json_schema(value, check)
     raise bad("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", "
