@@ -4,7 +4,9 @@ Owns the token-prefix -> slot mapping of every cached token, the lock counts tha
 prefixes running requests use, and eviction of unlocked leaves (the order: eviction.py; LRU
 by default, SLRU, priority-aware, over-quota tenants first). It does not know tensors,
 requests, the page allocator (evict returns slots, the caller frees their pages) or the model;
-slot ids are plain ints it only checks for page alignment.
+slot ids are plain ints it only checks for page alignment. The pure node helpers (child keys,
+span comparison, the matching descent and its splits, the per-node integrity census) are in
+radix_walk.py; this class keeps every count, lock, queue entry and event.
 
 Layout: one root per salt (namespace), so two salts never share a node. Each node holds a span
 of tokens `key` and their slots `value` as `array('i')` (4 bytes a token); children are keyed by
@@ -18,29 +20,33 @@ every key and every match is a whole number of pages. Invariants (check_integrit
 
 from __future__ import annotations
 
-import struct
 from array import array
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterator
 
 import numpy as np
-import numpy.typing as npt
 
 from radixserve.cache.eviction import EvictionPolicy, EvictionQueue
 from radixserve.cache.radix_types import (
     CacheEvent,
     CacheEventKind,
-    ChildKey,
     InsertResult,
     MatchResult,
     TreeNode,
 )
+from radixserve.cache.radix_walk import (
+    C_INT,
+    IntSeq,
+    assert_whole_pages,
+    census,
+    child_key,
+    iter_nodes,
+    path_concat,
+    to_array,
+    walk,
+)
 
 __all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "RadixCache",
            "TreeNode"]
-
-IntSeq: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"  # list, array('i'), numpy
-_INT = np.intc  # the C int behind array('i')
 
 
 class RadixCache:
@@ -111,17 +117,17 @@ class RadixCache:
         aligned_len = self._aligned(len(token_ids))
         if self.disabled or root is None or aligned_len == 0:
             return MatchResult(self.root, 0, [])
-        if self._child_key(token_ids, 0) not in root.children:  # a miss converts nothing
+        if child_key(token_ids, 0, self.page_size) not in root.children:  # a miss: no conversion
             return MatchResult(root, 0, [])
-        query = self._to_array(token_ids, aligned_len)
-        node, cached_len = self._walk(root, query, self._tick())
+        query = to_array(token_ids, aligned_len)
+        node, cached_len = walk(root, query, self._tick(), self.page_size)
         if priority is not None:
             hit = node
             while hit.parent is not None:
                 hit.hits += 1
                 hit.priority = priority
                 hit = hit.parent
-        return MatchResult(node, cached_len, self._path_concat(node, values=True).tolist())
+        return MatchResult(node, cached_len, path_concat(node, values=True).tolist())
 
     def peek_prefix_len(self, token_ids: IntSeq, salt: str = "") -> int:
         """Length of the longest cached prefix (whole pages), changing nothing: no split, no
@@ -130,9 +136,9 @@ class RadixCache:
         aligned_len = self._aligned(len(token_ids))
         if self.disabled or root is None or aligned_len == 0:
             return 0
-        if self._child_key(token_ids, 0) not in root.children:
+        if child_key(token_ids, 0, self.page_size) not in root.children:
             return 0
-        return self._walk(root, self._to_array(token_ids, aligned_len), None)[1]
+        return walk(root, to_array(token_ids, aligned_len), None, self.page_size)[1]
 
     def insert(self, token_ids: IntSeq, slots: IntSeq, salt: str = "", priority: int = 0
                ) -> InsertResult:
@@ -144,12 +150,12 @@ class RadixCache:
         if self.disabled:
             return InsertResult(aligned_len, self.root)
         root = self._roots.get(salt) or self._new_root(salt)
-        query = self._to_array(token_ids, aligned_len)
+        query = to_array(token_ids, aligned_len)
         tick = self._tick()
-        node, num_cached = self._walk(root, query, tick)
+        node, num_cached = walk(root, query, tick, self.page_size)
         if num_cached < aligned_len:
-            value = self._to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
-            self._assert_whole_pages(value)
+            value = to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
+            assert_whole_pages(value, self.page_size)
             node = self._add_leaf(node, query[num_cached:], value, tick, priority)
         return InsertResult(num_cached, node)
 
@@ -216,34 +222,15 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         """Recompute every invariant and counter from the nodes; AssertionError on mismatch."""
-        for salt, root in self._roots.items():
-            assert root.parent is None and not root.key and root.salt == salt, root
-            assert root.lock_ref == 0, "a root was locked"
-        evictable = protected = 0
-        by_salt: dict[str, int] = {}
-        leaves: set[TreeNode] = set()
-        values: array[int] = array("i")
-        for node in self._iter_nodes():
-            n, parent = len(node.key), node.parent
-            assert parent is not None and parent.salt == node.salt
-            assert n > 0 and n == len(node.value) and n % self.page_size == 0, node
-            assert parent.children.get(self._child_key(node.key, 0)) is node, "broken link"
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node
-            assert parent.parent is None or node.last_access <= parent.last_access, node
-            if node.lock_ref:
-                protected += n
-            else:
-                evictable += n
-                by_salt[node.salt] = by_salt.get(node.salt, 0) + n
-                if not node.children:
-                    leaves.add(node)
-            values.extend(node.value)
-        assert (evictable, protected) == (self._evictable_size, self._protected_size)
+        tree = census(self._roots, self.page_size)
+        assert (tree.evictable, tree.protected) == (self._evictable_size, self._protected_size)
+        by_salt = tree.evictable_by_salt
         assert by_salt == self.evictable_by_salt, (by_salt, self.evictable_by_salt)
-        assert leaves == self._queue.leaves, "evictable leaf set is stale"
-        assert leaves <= self._queue.queued(), "an evictable leaf is not queued"
-        assert len(np.unique(np.frombuffer(values, dtype=_INT))) == len(values), "slot twice"
-        self._assert_whole_pages(values)
+        assert tree.leaves == self._queue.leaves, "evictable leaf set is stale"
+        assert tree.leaves <= self._queue.queued(), "an evictable leaf is not queued"
+        values = tree.values
+        assert len(np.unique(np.frombuffer(values, dtype=C_INT))) == len(values), "slot twice"
+        assert_whole_pages(values, self.page_size)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -259,74 +246,12 @@ class RadixCache:
         self._roots[salt] = root
         return root
 
-    def _child_key(self, key: IntSeq, start: int) -> ChildKey:
-        if self.page_size == 1:
-            return key[start]
-        return tuple(key[start:start + self.page_size])
-
-    @staticmethod
-    def _to_array(ids: IntSeq, n: int) -> array[int]:
-        if isinstance(ids, array) and ids.typecode == "i":
-            return ids[:n]
-        if isinstance(ids, np.ndarray):
-            return array("i", np.ascontiguousarray(ids[:n], dtype=_INT).tobytes())
-        # NOTE: struct.pack converts a list of ints about 2x faster than array("i", ids).
-        return array("i", struct.pack(f"{n}i", *(ids if n == len(ids) else ids[:n])))
-
-    def _common_len(self, key: array[int], query: array[int], pos: int) -> int:
-        """Whole-page length of the common prefix of key and query[pos:].
-
-        A C-level array equality settles the common full-span case; numpy finds the first
-        mismatch only when there is one (see bench/radix_tree.py for the measurements)."""
-        m = min(len(key), len(query) - pos)
-        if (key if m == len(key) else key[:m]) == query[pos:pos + m]:
-            return m
-        a = np.frombuffer(key, dtype=_INT, count=m)
-        b = np.frombuffer(query, dtype=_INT, count=m, offset=pos * query.itemsize)
-        first = int(np.argmax(a != b))
-        return first - first % self.page_size
-
-    def _walk(self, root: TreeNode, query: array[int], tick: int | None
-              ) -> tuple[TreeNode, int]:
-        """Descend along query, splitting where it diverges inside a node and touching every
-        node passed; returns the deepest matched node and the matched length. With tick None
-        (a peek) nothing changes and the node returned may extend past the match."""
-        node, pos = root, 0
-        while pos < len(query):
-            child = node.children.get(self._child_key(query, pos))
-            if child is None:
-                break
-            m = self._common_len(child.key, query, pos)
-            assert m > 0, "a child matched by its first page must share that page"
-            if tick is None:
-                node, pos = child, pos + m
-                if m < len(child.key):
-                    break
-                continue
-            if m < len(child.key):
-                child = self._split(child, m)  # the rest of child differs or the query ended
-            child.last_access = tick
-            node, pos = child, pos + m
-        return node, pos
-
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut child after m tokens; the new upper node inherits its locks and age."""
-        parent = child.parent
-        assert parent is not None
-        upper = TreeNode(child.key[:m], child.value[:m], parent, child.last_access, child.salt)
-        upper.lock_ref = child.lock_ref
-        upper.hits, upper.priority = child.hits, child.priority
-        parent.children[self._child_key(child.key, 0)] = upper
-        child.key, child.value, child.parent = child.key[m:], child.value[m:], upper
-        upper.children[self._child_key(child.key, 0)] = child
-        return upper
-
     def _add_leaf(self, parent: TreeNode, key: array[int], value: array[int], tick: int,
                   priority: int) -> TreeNode:
         leaf = TreeNode(key, value, parent, tick, parent.salt)
         leaf.priority = priority
         self._queue.discard(parent)  # it has a child now
-        parent.children[self._child_key(key, 0)] = leaf
+        parent.children[child_key(key, 0, self.page_size)] = leaf
         self._count_evictable(leaf, len(key))
         self._queue.add(leaf)
         self._emit(CacheEventKind.STORED, leaf)
@@ -336,7 +261,7 @@ class RadixCache:
         self._emit(CacheEventKind.REMOVED, leaf)
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
-        del parent.children[self._child_key(leaf.key, 0)]
+        del parent.children[child_key(leaf.key, 0, self.page_size)]
         self._queue.discard(leaf)
         self._count_evictable(leaf, -len(leaf.key))
         if parent.parent is not None:
@@ -349,33 +274,11 @@ class RadixCache:
         self._evictable_size += delta
         self._evictable_by_salt[node.salt] = self._evictable_by_salt.get(node.salt, 0) + delta
 
-    def _path_concat(self, node: TreeNode, values: bool) -> array[int]:
-        parts: list[array[int]] = []
-        while node.parent is not None:
-            parts.append(node.value if values else node.key)
-            node = node.parent
-        out: array[int] = array("i")
-        for part in reversed(parts):
-            out.extend(part)
-        return out
-
     def _emit(self, kind: CacheEventKind, node: TreeNode) -> None:
         if self._on_event is None:
             return
-        path = self._path_concat(node, values=False)
+        path = path_concat(node, values=False)
         self._on_event(CacheEvent(kind, tuple(path), len(path) - len(node.key), node.salt))
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
-        stack = [child for root in self._roots.values() for child in root.children.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
-    def _assert_whole_pages(self, slots: array[int]) -> None:
-        ps = self.page_size
-        if ps == 1:
-            return
-        grid = np.frombuffer(slots, dtype=_INT).reshape(-1, ps)  # (num_pages, ps)
-        assert not (grid[:, 0] % ps).any(), "slots do not start on a page boundary"
-        assert (grid - grid[:, :1] == np.arange(ps)).all(), "slots are not whole pages"
+        return iter_nodes(self._roots.values())

@@ -1,7 +1,7 @@
 """Value types of the radix cache: tree nodes, match/insert results and cache events.
 
 Owns: their fields and meaning. Does not know: how the tree is searched or evicted
-(radix_cache.py).
+(radix_cache.py, radix_walk.py).
 """
 
 from __future__ import annotations
