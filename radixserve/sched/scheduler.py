@@ -4,6 +4,8 @@ Owns: every Req (it is their only mutator), table rows, and the request side of 
 ownership. Each page is free (PageAllocator), cached (RadixCache) or held by exactly one
 request: `req.slots[req.prefix_len:]`. `req.slots[:req.prefix_len]` are tree pages, locked
 through `req.cache_node`. Does not know: tensors beyond the slot table, sampling, HTTP.
+Batch assembly (prefill chunks, admission, decode and mixed batches, preemption) is the
+BatchForming half of this class, in batching.py; schedule() here picks which kind runs.
 
 One step is EXTEND (prefill chunks of waiting/partially prefilled requests, ordered by
 policy, sharing-aware), DECODE (one token for every running request), or, by default while
@@ -31,10 +33,10 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
-from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
+from radixserve.grammar.compiler import GrammarCompiler
+from radixserve.sched.batching import BatchForming
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.pins import PinTable
-from radixserve.sched.policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.sched.rules import checked_max_new_tokens, stop_reason
 from radixserve.types import (
@@ -49,7 +51,7 @@ from radixserve.types import (
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(BatchForming):
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
                  req_table: ReqTable, max_model_len: int, vocab_size: int,
                  eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None) -> None:
@@ -134,141 +136,6 @@ class Scheduler:
             self.last_phase = Phase.DECODE
             return batch
         return self._schedule_extend() if want_extend else None
-
-    def _schedule_mixed(self) -> Batch | None:
-        decode = self._schedule_decode()
-        assert decode is not None
-        budget = min(self.cfg.max_prefill_tokens,
-                     self.cfg.chunked_prefill_size or self.cfg.max_prefill_tokens)
-        extend = self._schedule_extend(budget, keep=decode.reqs)
-        self.last_phase = Phase.DECODE if extend is None else Phase.MIXED
-        if extend is None:
-            return decode
-        return Batch(Phase.MIXED, decode.reqs + extend.reqs,
-                     decode.extend_lens + extend.extend_lens, decode.sample + extend.sample,
-                     num_decodes=decode.size)
-
-    def _schedule_extend(self, budget: int | None = None, keep: list[Req] | None = None
-                         ) -> Batch | None:
-        """Prefill chunks under `budget` tokens; `keep`: requests no retraction may take."""
-        budget = self.cfg.max_prefill_tokens if budget is None else budget
-        chunk_cap = self.cfg.chunked_prefill_size or None
-        reqs: list[Req] = []
-        lens: list[int] = []
-        for req in list(self.prefilling):  # continue chunked prompts first
-            if req not in self.prefilling:
-                continue  # retracted to make room for an earlier one
-            n = min(req.extend_len, budget, chunk_cap or req.extend_len)
-            if n <= 0 or not self._ensure_or_retract(req, req.cached_len + n,
-                                                     reqs + (keep or [])):
-                break
-            reqs.append(req)
-            lens.append(n)
-            budget -= n
-        if budget > 0 and self.waiting:
-            self._admit(reqs, lens, budget, chunk_cap)
-        if not reqs:
-            return None
-        sample = [r.cached_len + n == r.num_tokens for r, n in zip(reqs, lens, strict=False)]
-        self.mem.write_extend_entries(reqs, lens)
-        return Batch(Phase.EXTEND, reqs, lens, sample)
-
-    def _admit(self, reqs: list[Req], lens: list[int], budget: int, chunk_cap: int | None) -> None:
-        matches = {}
-        if not self.cfg.disable_radix_cache and self.cfg.schedule_policy == "lpm":
-            matches = {r.rid: self.mem.peek_match(r) for r in self.waiting}
-        newly: list[Req] = []
-        for req in order_waiting(self.waiting, matches, self.cfg.schedule_policy):
-            if budget <= 0 or len(self.running) + len(self.prefilling) >= self.cfg.max_running_requests:
-                break
-            if not self._grammar_ready(req):
-                continue  # still compiling (or failed): it waits, the batch does not
-            cached = matches.get(req.rid, 0)
-            if reqs and shares_uncached_prefix(req, cached, reqs):
-                continue
-            live = self.running + self.prefilling
-            reserve = self.mem.reserved_tokens(live, reqs, lens) + self.mem.future_tokens(req)
-            n = self.mem.admit(req, budget, chunk_cap, reserve,
-                               force=not (reqs or self.running or self.prefilling))
-            if n == 0:
-                break
-            if not req.stats_counted:
-                req.stats_counted = True
-                req.num_cached_tokens = req.cached_len
-                self.counters["prefix_cache_queries"] += req.num_prompt_tokens
-                self.counters["prefix_cache_hits"] += req.cached_len
-                self.counters["prompt_tokens"] += req.num_prompt_tokens
-            req.status = ReqStatus.RUNNING
-            reqs.append(req)
-            lens.append(n)
-            newly.append(req)
-            budget -= n
-        for req in newly:
-            self.waiting.remove(req)
-            self.prefilling.append(req)
-        if newly:
-            for req in self.waiting:  # passed over this round: ages towards the guard
-                req.num_skips += 1
-
-    def _grammar_ready(self, req: Req) -> bool:
-        """Give req its matcher once its grammar compiled. False while it cannot run."""
-        constraint = req.params.constraint
-        if constraint is None or req.grammar is not None:
-            return True  # a retracted request keeps its matcher, exact with its output
-        assert self.grammars is not None
-        compiled = self.grammars.poll(constraint)
-        if compiled is None:
-            return False
-        if isinstance(compiled, CompileFailed):  # ends here; its client gets a 400
-            self.waiting.remove(req)
-            self._finish(req, FinishReason.ABORT)
-            self.aborted.append((req, f"invalid constraint: {compiled.message}"))
-            return False
-        req.grammar = compiled.matcher()
-        return True
-
-    def _schedule_decode(self) -> Batch | None:
-        if not self.running:
-            return None
-        self.mem.decay_ratio()
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            if req not in self.running:
-                continue  # retracted to make room for an earlier one
-            if not self._ensure_or_retract(req, req.cached_len + 1, []):
-                raise RuntimeError("KV pool too small for a single request")  # sized at start
-        reqs = list(self.running)
-        self.mem.write_decode_entries(reqs)
-        return Batch(Phase.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
-
-    def _ensure_or_retract(self, req: Req, upto: int, keep: list[Req]) -> bool:
-        """Slots for req up to `upto`, retracting other live requests (never those in `keep`)
-        when even eviction cannot make room. False if nothing is left to retract."""
-        while not self.mem.ensure_slots(req, upto):
-            victim = self._pick_victim(exclude=[req, *keep])
-            if victim is None:
-                return False
-            self._retract(victim)
-        return True
-
-    def _pick_victim(self, exclude: list[Req]) -> Req | None:
-        candidates = [r for r in self.running + self.prefilling
-                      if all(r is not e for e in exclude)]
-        if not candidates:
-            return None
-        # The least important request first; among equals the one that loses least: fewest
-        # output tokens, least prompt computed, then the longest prompt (most of which stays
-        # in the tree and is matched back on resumption).
-        return min(candidates, key=lambda r: (-r.priority, r.num_output_tokens, r.cached_len,
-                                              -r.num_prompt_tokens))
-
-    def _retract(self, req: Req) -> None:
-        self._drop_live(req)
-        self.mem.release(req)
-        req.status = ReqStatus.WAITING
-        req.num_preemptions += 1
-        self.counters["num_preemptions"] += 1
-        self.mem.on_retract(self.running)
-        self.waiting.appendleft(req)
 
     # ---- results -------------------------------------------------------------------------
 
