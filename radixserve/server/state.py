@@ -1,9 +1,9 @@
 """Per-app serving state: the engine client, the tokenizer, limits, and prompt preparation.
 
 Owns: what a handler needs between parsing and streaming: readiness (and draining), the
-model-name check, tokenization (off the event loop for long inputs), input/context/cap checks
-(server-wide and per key), resolving max_tokens, turning prompts x n into ChoiceJobs,
-admission with per-key accounting, the request deadline, and the opt-in request log line.
+model-name check, tokenization (off the event loop for long inputs), the caps requests are
+sized under (the sizing itself, prompts x n into ChoiceJobs: sizing.py), admission with
+per-key accounting, the request deadline, and the opt-in request log line.
 Does not know: OpenAI's wire format.
 """
 
@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient, EngineState
+from radixserve.server import sizing
 from radixserve.server.auth import ANONYMOUS_CALLER, ApiKeys, Caller
 from radixserve.server.bounds import deadline_events
 from radixserve.server.bounds import read_json as read_json  # re-exported for routes
@@ -34,13 +34,13 @@ from radixserve.server.keys import KeyLimits
 from radixserve.server.limits import Admission, Ticket, displaceable
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.protocol import PromptInput, RequestOptions, check_token_ids
+from radixserve.server.sizing import JobCaps
 from radixserve.server.tool_parsers import get_format
 from radixserve.server.tool_prompt import supports_tools, template_messages
 from radixserve.server.tools import ToolsSpec
 from radixserve.types import SamplingParams
 
 OFFLOAD_CHARS = 2048  # tokenize longer inputs in a thread so one huge prompt stalls no one
-INT64_SPAN = 2**64
 LOG_PREVIEW_CHARS = 8  # --log-requests shows this much of a prompt, never more
 
 request_logger = logging.getLogger("radixserve.requests")
@@ -66,10 +66,6 @@ def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
     from radixserve.tokenizer import encode_chat
 
     return encode_chat(tokenizer, messages, tools=tools)
-
-
-def _wrap_int64(value: int) -> int:
-    return (value + 2**63) % INT64_SPAN - 2**63
 
 
 class ServerState:
@@ -170,50 +166,21 @@ class ServerState:
                 raise APIError(400, f"chat template error: {err}", param="messages") from err
             raise
 
+    @property
+    def caps(self) -> JobCaps:
+        """The bounds requests are sized under (the model's are known once it loaded)."""
+        return JobCaps(self.max_model_len, self.vocab_size, self.cfg.max_tokens_cap,
+                       self.cfg.max_input_tokens)
+
     def finalize_params(self, params: SamplingParams, prompt_len: int, param: str,
                         limits: KeyLimits = ANONYMOUS_CALLER.limits) -> SamplingParams:
-        """Check the prompt against the limits and fix max_tokens (None: remaining context).
-
-        A key's max_tokens / max_input_tokens tighten the server's caps, never loosen them."""
-        limit = self.max_model_len
-        cap = _tightest(self.cfg.max_tokens_cap, limits.max_tokens)
-        max_input = _tightest(self.cfg.max_input_tokens, limits.max_input_tokens)
-        if max_input is not None and prompt_len > max_input:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
-                                f"{max_input}", param=param, code="input_too_long")
-        room = limit - prompt_len
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
-                                f"the prompt has {prompt_len} tokens.", param=param,
-                           code="context_length_exceeded")
-        if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room if cap is None else min(room, cap))
-        if cap is not None and params.max_tokens > cap:
-            raise APIError(400, f"max_tokens ({params.max_tokens}) exceeds this server's cap "
-                                f"({cap})", param="max_tokens")
-        if params.max_tokens > room:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
-                                f"you requested {prompt_len + params.max_tokens} tokens "
-                                f"({prompt_len} in the prompt, {params.max_tokens} in the "
-                                "completion).", param="max_tokens",
-                           code="context_length_exceeded")
-        return params
+        """sizing.finalize_params under this server's caps."""
+        return sizing.finalize_params(self.caps, params, prompt_len, param, limits)
 
     def make_jobs(self, prompts: Sequence[list[int]], opts: RequestOptions, salt: str,
                   param: str, limits: KeyLimits = ANONYMOUS_CALLER.limits) -> list[ChoiceJob]:
-        """prompts x n choices; choice i of a seeded request samples with seed + i."""
-        if opts.params.stop_token_ids:
-            check_token_ids(opts.params.stop_token_ids, self.vocab_size, "stop_token_ids")
-        jobs: list[ChoiceJob] = []
-        for p_idx, ids in enumerate(prompts):
-            params = self.finalize_params(opts.params, len(ids), param, limits)
-            for i in range(opts.n):
-                choice_params = params
-                if params.seed is not None and i:
-                    choice_params = dataclasses.replace(params, seed=_wrap_int64(params.seed + i))
-                jobs.append(ChoiceJob(len(jobs), p_idx, uuid.uuid4().hex, tuple(ids),
-                                      choice_params, opts.stop, salt, opts.priority or 0))
-        return jobs
+        """sizing.make_jobs under this server's caps: prompts x n choices."""
+        return sizing.make_jobs(self.caps, prompts, opts, salt, param, limits)
 
     def caller_jobs(self, request: web.Request, prompts: Sequence[list[int]],
                     opts: RequestOptions, param: str) -> list[ChoiceJob]:
@@ -284,7 +251,7 @@ class ServerState:
         """`events`, cut off (aborting the engine work: its pages are freed) at the deadline:
         the server's --request-timeout or the request's own `timeout`, whichever is sooner,
         counted from arrival. Past it the caller sees APIError(408)."""
-        limit = _tightest(self.cfg.request_timeout, timeout)
+        limit = sizing.tightest(self.cfg.request_timeout, timeout)
         if limit is None:
             return events
         return deadline_events(events, limit - (time.perf_counter() - arrival), limit,
@@ -296,12 +263,6 @@ class ServerState:
             text = str(self.tokenizer.decode([token_id]))
             self._token_strs[token_id] = text
         return text
-
-
-def _tightest(*limits: Any) -> Any:
-    """The smallest of the limits that are set (None when none is)."""
-    given = [x for x in limits if x is not None]
-    return min(given) if given else None
 
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("radixserve_state", ServerState)
