@@ -31,10 +31,15 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 # The extension's name carries the source's version (a changed kernel gets a fresh build; torch
 # also rebuilds on a source hash change) and the CPU's flags: the build is -march=native, so
 # a cache directory shared with another kind of CPU must not hand it a binary it cannot run.
-EXT_BASE = "radixserve_cpu_attention_v3"
+EXT_BASE = "radixserve_cpu_attention_v4"
 # -ffast-math lets gcc vectorize the softmax's exp (glibc's libmvec). It is passed to the
 # compile step only: a link with it would add crtfastmath (flush-to-zero for the whole process).
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# -fopenmp on both steps: at::parallel_for is a header template whose `omp parallel` compiles
+# away without it (the kernels then ran on one thread whatever torch's setting). The link
+# needs libgomp.so.1, which resolves to the copy torch already loaded (the same soname): one
+# OpenMP runtime, one thread pool, sized by torch.set_num_threads.
+LDFLAGS = ["-fopenmp"]
 ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the torch path)
 
 # prefill_attention's head dims (template instances in the kernel); others keep the torch path
@@ -72,7 +77,8 @@ def _registered() -> bool:
         torch.ops.radixserve, "prefill_attention")
 
 
-def build_extension(name: str, sources: Sequence[Path], what: str) -> bool:
+def build_extension(name: str, sources: Sequence[Path], what: str,
+                    cflags: Sequence[str] = tuple(CFLAGS)) -> bool:
     """Build (or load the cached build of) a C++ extension registering torch ops; False, with
     one warning naming `what`, when that fails (the caller keeps its torch path)."""
     try:
@@ -80,7 +86,8 @@ def build_extension(name: str, sources: Sequence[Path], what: str) -> bool:
 
         ninja_on_path()
         load(name=f"{name}_{cpu_tag()}", sources=[str(s) for s in sources],
-             extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+             extra_cflags=list(cflags), extra_ldflags=LDFLAGS, is_python_module=False,
+             verbose=False)
     except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
         logger.warning("%s unavailable (%s: %s); using torch's kernels", what,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")

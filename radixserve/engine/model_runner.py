@@ -21,6 +21,7 @@ from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.varlen import token_offsets
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
+from radixserve.cpu_malloc import keep_freed_memory
 from radixserve.cpu_threads import choose_num_threads
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
@@ -106,6 +107,8 @@ class ModelRunner:
             threads = choose_num_threads(cfg.num_threads)
             torch.set_num_threads(threads.num_threads)
             logger.info("torch threads: %d (%s)", threads.num_threads, threads.reason)
+        if self.device.type == "cpu" and keep_freed_memory():
+            logger.info("malloc: freed memory kept in the heap (RADIXSERVE_DEFAULT_MALLOC=1: off)")
         self.resolved: ResolvedModel = resolve_model(cfg.model)
         self.spec: ModelSpec = read_model_spec(self.resolved.hf_dir)
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,

@@ -26,7 +26,7 @@ import torch
 from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
-EXT_BASE = "radixserve_int8_gemm_v2"  # bump with the source: a fresh build, not a stale one
+EXT_BASE = "radixserve_int8_gemm_v3"  # bump with the source: a fresh build, not a stale one
 
 Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,7 +1,7 @@
 """Rotary position embeddings: cos/sin tables for every position, with Llama-3 scaling.
 
-Owns: inverse frequencies (default, linear, llama3) and the rotate-half application.
-Does not know: attention, the KV pool.
+Owns: inverse frequencies (default, linear, llama3) and the cos/sin tables. Does not know:
+attention, the KV pool, how the rotation is applied (norm_rope.py's rope_qk).
 """
 
 from __future__ import annotations
@@ -54,10 +54,5 @@ class RotaryTable:
         self.sin = sin.to(device=device, dtype=dtype)  # (max_positions, head_dim), signed
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for the positions, shaped to broadcast over heads: (T, 1, head_dim)."""
-        return (self.cos.index_select(0, positions).unsqueeze(1),
-                self.sin.index_select(0, positions).unsqueeze(1))
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (T, heads, head_dim) -> rotated copy (rotate-half convention, as HF Llama)."""
-        return x * cos + torch.roll(x, self.half, dims=-1) * sin
+        """cos, signed sin for the positions: (T, head_dim) each."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)

@@ -1,0 +1,163 @@
+// RMSNorm and rotary embeddings on CPU, each one pass over its rows instead of torch's
+// sequence of elementwise ops (every op of which reads and writes the whole (T, hidden)
+// activation and allocates its result).
+//
+// Registered as torch.ops.radixserve.rms_norm and torch.ops.radixserve.rope_qk;
+// radixserve/model/norm_rope.py builds them and owns their specification (the torch code they
+// replace, rms_norm_reference and rope_qk_reference there, which the tests compare with).
+//
+// Numerics: the same operations in the same order as the torch code, each product rounded on
+// its own (this file builds without -ffast-math and with -ffp-contract=off: no FMA
+// contraction), so rope_qk is bit-identical to it and rms_norm differs only in the order of
+// its sum of squares (vectorized here, another tree in torch).
+//
+// rms_norm: x (T, H) with H contiguous, w (H,), fp32 or bf16 (both the same dtype).
+//   fp32 (HF's order): out = w * (x * (1 / sqrt(sum(x^2) / H + eps)))
+//   bf16: the sum in fp32, then out = bf16(bf16(x * r) * w)
+// rope_qk: qkv (T, W) with W contiguous, its first n_heads * D columns the q and k heads;
+//   cos, sin (T, D) (sin with its first half negated, see model/rope.py); out (T, n_heads, D)
+//   contiguous: out[t, h, e] = x[e] * cos[t, e] + x[(e + D / 2) % D] * sin[t, e].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+// Element access in fp32, written so that the loops vectorize: bf16 goes through its bits
+// (at::BFloat16's scalar conversions keep gcc from vectorizing). Rounding to bf16 is to
+// nearest even, NaN to the quiet NaN, as at::BFloat16's.
+using bf16_t = uint16_t;
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const bf16_t* p, int64_t i) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(p[i]) << 16);
+}
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(bf16_t* p, int64_t i, float v) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  p[i] = static_cast<bf16_t>(v != v ? 0x7FC0u : r);
+}
+// The value rounded to T and back: what a torch op producing a T tensor hands the next op.
+inline float rnd(float v, const float*) { return v; }
+inline float rnd(float v, const bf16_t*) {
+  bf16_t b;
+  st(&b, 0, v);
+  return ld(&b, 0);
+}
+
+constexpr int64_t GRAIN = 16;  // rows per parallel task: a few KB each, enough to amortize
+
+template <typename T>
+void rms_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows_begin, int64_t rows_end,
+              int64_t h, float eps) {
+  for (int64_t t = rows_begin; t < rows_end; ++t) {
+    const T* xr = x + t * sx;
+    T* o = out + t * h;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t e = 0; e < h; ++e) {
+      const float v = ld(xr, e);
+      ss += v * v;
+    }
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    // x * r is rounded (to T) before the weight's product, as in the torch code
+#pragma omp simd
+    for (int64_t e = 0; e < h; ++e) st(o, e, ld(w, e) * rnd(ld(xr, e) * r, xr));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "x (T, H), w (H,)");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
+  TORCH_CHECK(x.stride(1) == 1, "x's rows must be contiguous");
+  const at::Tensor wc = w.contiguous();
+  const int64_t n = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty({n, h}, x.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    const T* wp = static_cast<const T*>(wc.data_ptr());
+    T* op = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, n, GRAIN, [&](int64_t b, int64_t e) {
+      rms_rows<T>(xp, x.stride(0), wp, op, b, e, h, static_cast<float>(eps));
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(float{});
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+    run(bf16_t{});
+  }
+  return out;
+}
+
+template <typename T>
+void rope_rows(const T* x, int64_t sx, const T* cos, const T* sin, int64_t sc, int64_t ss,
+               T* out, int64_t rows_begin, int64_t rows_end, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t t = rows_begin; t < rows_end; ++t) {
+    const T* c = cos + t * sc;
+    const T* s = sin + t * ss;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const T* xr = x + t * sx + hh * d;
+      T* o = out + (t * heads + hh) * d;
+      // The two halves: the partner of e is e + half, then e - half (torch.roll by half).
+#pragma omp simd
+      for (int64_t e = 0; e < half; ++e)
+        st(o, e, rnd(ld(xr, e) * ld(c, e), xr) + rnd(ld(xr, e + half) * ld(s, e), xr));
+#pragma omp simd
+      for (int64_t e = half; e < d; ++e)
+        st(o, e, rnd(ld(xr, e) * ld(c, e), xr) + rnd(ld(xr, e - half) * ld(s, e), xr));
+    }
+  }
+}
+
+at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(qkv.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "qkv (T, W), cos/sin (T, D)");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos and sin must share a dtype");
+  const int64_t n = qkv.size(0), d = cos.size(1);
+  TORCH_CHECK(d % 2 == 0 && sin.size(1) == d && cos.size(0) == n && sin.size(0) == n,
+              "cos/sin: (T, D), D even");
+  TORCH_CHECK(heads >= 1 && heads * d <= qkv.size(1), "qkv too narrow for the heads");
+  TORCH_CHECK(qkv.stride(1) == 1 && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rows must be contiguous");
+  at::Tensor out = at::empty({n, heads, d}, qkv.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(qkv.data_ptr());
+    const T* cp = static_cast<const T*>(cos.data_ptr());
+    const T* sp = static_cast<const T*>(sin.data_ptr());
+    T* op = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, n, GRAIN, [&](int64_t b, int64_t e) {
+      rope_rows<T>(xp, qkv.stride(0), cp, sp, cos.stride(0), sin.stride(0), op, b, e, heads, d);
+    });
+  };
+  if (qkv.scalar_type() == at::kFloat) {
+    run(float{});
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+    run(bf16_t{});
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_qk", &rope_qk);
+}
