@@ -13,80 +13,94 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-
-// A row of D values as fp32: the row itself for fp32, else converted into `buf`.
-inline const float* as_float(const float* src, float*, int64_t) { return src; }
-inline const float* as_float(const at::BFloat16* src, float* buf, int64_t d) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) {
-    // bf16 is fp32's upper half
-    buf[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
-  }
-  return buf;
+// Element access in fp32; bf16 through its bits (fp32's upper half) so that loops vectorize.
+using bf16_t = uint16_t;
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const bf16_t* p, int64_t i) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(p[i]) << 16);
+}
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(bf16_t* p, int64_t i, float v) {  // round to nearest even, as at::BFloat16
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  p[i] = static_cast<bf16_t>(v != v ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  float s = 0.f;
+struct Geometry {
+  int64_t hq, hkv, d, sk, sv;  // query heads, KV heads, head_dim, slot strides of the caches
+  float scale;
+};
+
+// Scores of every query head of a request over its `len` positions, into sc (hq, len): one
+// walk over the keys, each slot's row (all KV heads, contiguous) read once for all heads. D
+// is compile-time (D = 0: the generic instance for other head dims) so that each
+// dot product is a fixed run of vector FMAs and one horizontal sum.
+template <int64_t D, typename T>
+void scores(const T* q, const T* k, const Geometry& g, const int32_t* slots, int64_t len,
+            float* qf, float* sc) {
+  const int64_t d = D ? D : g.d, group = g.hq / g.hkv;
+  for (int64_t i = 0; i < g.hq * d; ++i) qf[i] = ld(q, i) * g.scale;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* kr = k + slots[t] * g.sk;
+    for (int64_t h = 0; h < g.hq; ++h) {
+      const float* qh = qf + h * d;
+      const T* kh = kr + (h / group) * d;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
+      for (int64_t e = 0; e < d; ++e) s += qh[e] * ld(kh, e);
+      sc[h * len + t] = s;
+    }
+  }
 }
 
-// One request: its query heads (hq of them, `group` per KV head) over `len` positions. A
-// slot's K (and V) row holds all hkv heads contiguously (hkv * d values): each row is read
-// once, for every head, so the request's keys are streamed from memory once per layer.
-template <typename T>
-void decode_one(const T* q, const T* k, const T* v, int64_t sk, int64_t sv, const int32_t* slots,
-                int64_t len, int64_t hq, int64_t hkv, int64_t d, float scale, T* out, float* lse,
-                std::vector<float>& work) {
-  const int64_t group = hq / hkv, width = hkv * d;
-  // work: scores (hq, len), q in fp32 (hq, d), accumulators (hq, d), one K/V row (hkv * d)
-  work.resize(hq * len + 2 * hq * d + width);
-  float* sc = work.data();
-  float* qf = sc + hq * len;
-  float* acc = qf + hq * d;
-  float* row = acc + hq * d;
-  for (int64_t i = 0; i < hq * d; ++i) qf[i] = to_float(q[i]) * scale;
-  for (int64_t t = 0; t < len; ++t) {
-    const float* kr = as_float(k + slots[t] * sk, row, width);
-    for (int64_t h = 0; h < hq; ++h) sc[h * len + t] = dot(qf + h * d, kr + (h / group) * d, d);
-  }
-  for (int64_t h = 0; h < hq; ++h) {
-    float* s = sc + h * len;
-    float m = s[0];  // len >= 1 (checked); no infinities: this file builds with -ffast-math
-    for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
+// Softmax of one head's scores in place (normalized: out needs no division); returns the lse.
+inline float softmax(float* s, int64_t len) {
+  float m = s[0];  // len >= 1 (checked); no infinities: this file builds with -ffast-math
+  for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    lse[h] = m + std::log(sum);
-    const float inv = 1.f / sum;  // probabilities normalized here: out needs no division
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-  }
-  for (int64_t i = 0; i < hq * d; ++i) acc[i] = 0.f;
   for (int64_t t = 0; t < len; ++t) {
-    const float* vr = as_float(v + slots[t] * sv, row, width);
-    for (int64_t h = 0; h < hq; ++h) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  return m + std::log(sum);
+}
+
+// One request: scores for all heads, softmax, then one walk over the values for all heads,
+// the (hq, d) accumulators in L1. (Walking the values once per KV head with a group's
+// accumulators in registers was slower in fp32 here: three strided passes over the rows.)
+template <int64_t D, typename T>
+void decode_one(const T* q, const T* k, const T* v, const Geometry& g, const int32_t* slots,
+                int64_t len, T* out, float* lse, std::vector<float>& work) {
+  const int64_t group = g.hq / g.hkv, d = D ? D : g.d;
+  // work: scores (hq, len), then (hq, d): q in fp32 for the scores, the accumulators after
+  work.resize(g.hq * len + g.hq * d);
+  float* sc = work.data();
+  scores<D, T>(q, k, g, slots, len, sc + g.hq * len, sc);
+  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len);
+  float* acc = sc + g.hq * len;
+  std::fill(acc, acc + g.hq * d, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* vr = v + slots[t] * g.sv;
+    for (int64_t h = 0; h < g.hq; ++h) {
       const float p = sc[h * len + t];
-      const float* vh = vr + (h / group) * d;
+      const T* vh = vr + (h / group) * d;
       float* a = acc + h * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) a[i] += p * vh[i];
+      for (int64_t e = 0; e < d; ++e) a[e] += p * ld(vh, e);
     }
   }
-  for (int64_t i = 0; i < hq * d; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < g.hq * d; ++i) st(out, i, acc[i]);
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
@@ -121,31 +135,38 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   const int64_t* rows_p = rp;
   const int64_t* starts_p = sp;
   const int64_t* lens_p = lp;
-  auto run = [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* qp = static_cast<const scalar_t*>(qc.data_ptr());
-    const scalar_t* kp = static_cast<const scalar_t*>(k_cache.data_ptr());
-    const scalar_t* vp = static_cast<const scalar_t*>(v_cache.data_ptr());
-    scalar_t* op = static_cast<scalar_t*>(out.data_ptr());
+  const Geometry geo{hq, hkv, d, k_cache.stride(0), v_cache.stride(0), static_cast<float>(scale)};
+  auto run = [&](auto dtag, auto tag) {
+    constexpr int64_t D = decltype(dtag)::value;
+    using T = decltype(tag);
+    const T* qp = static_cast<const T*>(qc.data_ptr());
+    const T* kp = static_cast<const T*>(k_cache.data_ptr());
+    const T* vp = static_cast<const T*>(v_cache.data_ptr());
+    T* op = static_cast<T*>(out.data_ptr());
     float* lsep = lse.data_ptr<float>();
     const int32_t* slots = st.data_ptr<int32_t>();
-    const int64_t sk = k_cache.stride(0), sv = v_cache.stride(0);
     // One task per request: it streams the request's K and V rows once for all its heads.
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> work;
       for (int64_t b = begin; b < end; ++b) {
-        decode_one<scalar_t>(qp + b * hq * d, kp, vp, sk, sv,
-                             slots + rows_p[b] * lmax + starts_p[b], lens_p[b] - starts_p[b],
-                             hq, hkv, d, static_cast<float>(scale), op + b * hq * d,
-                             lsep + b * hq, work);
+        decode_one<D, T>(qp + b * hq * d, kp, vp, geo, slots + rows_p[b] * lmax + starts_p[b],
+                         lens_p[b] - starts_p[b], op + b * hq * d, lsep + b * hq, work);
       }
     });
   };
-  if (q.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    run(at::BFloat16{});
+  auto by_dtype = [&](auto dtag) {
+    if (q.scalar_type() == at::kFloat) {
+      run(dtag, float{});
+    } else {
+      TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+      run(dtag, bf16_t{});
+    }
+  };
+  switch (d) {
+    case 64: by_dtype(std::integral_constant<int64_t, 64>{}); break;
+    case 128: by_dtype(std::integral_constant<int64_t, 128>{}); break;
+    case 32: by_dtype(std::integral_constant<int64_t, 32>{}); break;
+    default: by_dtype(std::integral_constant<int64_t, 0>{});  // any other head_dim
   }
   return {out, lse};
 }
