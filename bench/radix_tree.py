@@ -7,7 +7,7 @@ suffixes of 40-140 tokens: 10k sequences, ~1M cached tokens. Both trees get the 
 operations in the same order; the table reports operations per second, metadata bytes per
 cached token (tracemalloc, tokens and slots included) and the ratio ours / baseline; times
 are CPU seconds of this process, match rows the best of 3 passes. A second
-table times the span comparison strategies behind RadixCache._common_len. This module knows
+table times the span comparison strategies behind radix_walk.common_len. This module knows
 nothing about the engine; it only drives the cache's public API.
 """
 
@@ -227,7 +227,7 @@ def _span_numpy(key: array[int], query: array[int]) -> int:
 
 
 def _span_array_eq(key: array[int], query: array[int]) -> int:
-    """What RadixCache._common_len does first; it falls back to numpy only on a mismatch."""
+    """What radix_walk.common_len does first; it falls back to numpy only on a mismatch."""
     return len(key) if key == query[:len(key)] else -1
 
 

@@ -34,9 +34,12 @@ def test_rms_norm_fp32_matches_hf_order_to_an_ulp(rows: int, hidden: int) -> Non
     gen = torch.Generator().manual_seed(rows + hidden)
     x = torch.randn(rows, hidden, generator=gen) * 3
     w = torch.rand(hidden, generator=gen) + 0.5
-    out = native().rms_norm(x, w, 1e-5)
+    native()  # built and registered
+    out = torch.ops.radixserve.rms_norm(x, w, 1e-5)
     ref = rms_norm_reference(x, w, 1e-5)
     assert out.dtype == torch.float32 and out.shape == (rows, hidden)
+    # the model keeps torch's exact form in fp32
+    assert torch.equal(native().rms_norm(x, w, 1e-5), ref)
     # only the sum of squares is added in another order: a few ulps at most
     assert torch.allclose(out, ref, rtol=5e-7, atol=0)
     exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w
@@ -62,7 +65,8 @@ def test_rms_norm_strided_rows_and_nan() -> None:
     x = big[:, 8:72]  # rows 200 apart
     w = torch.rand(64, generator=gen) + 0.5
     x[3, 5] = float("nan")
-    out = native().rms_norm(x, w, 1e-5)
+    native()  # built and registered
+    out = torch.ops.radixserve.rms_norm(x, w, 1e-5)
     ref = rms_norm_reference(x.contiguous(), w, 1e-5)
     assert torch.isnan(out[3]).all()
     keep = torch.arange(10) != 3
@@ -93,12 +97,13 @@ def test_rope_head_dim_128_and_strided_rows() -> None:
 
 def test_input_checks() -> None:
     ops = native()
+    rms = torch.ops.radixserve.rms_norm
     with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
+        rms(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
     with pytest.raises(RuntimeError, match="x \\(T, H\\)"):
-        ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)
+        rms(torch.randn(2, 8), torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
+        rms(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
     cos = torch.ones(3, 64)
     with pytest.raises(RuntimeError, match="too narrow"):
         ops.rope_qk(torch.randn(3, 128), cos, cos, 3)
