@@ -19,6 +19,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define RS_DECODE_BF16_DOT 1
+#else
+#define RS_DECODE_BF16_DOT 0
+#endif
+
 namespace {
 
 // Element access in fp32; bf16 through its bits (fp32's upper half) so that loops vectorize.
@@ -42,9 +49,37 @@ struct Geometry {
 // walk over the keys, each slot's row (all KV heads, contiguous) read once for all heads. D
 // is compile-time (D = 0: the generic instance for other head dims) so that each
 // dot product is a fixed run of vector FMAs and one horizontal sum.
+#if RS_DECODE_BF16_DOT
+// bf16 with AVX512-BF16: each dot product as vdpbf16ps over 32 (q, k) pairs per instruction,
+// q and k used exactly as stored (bf16), the scale applied to the fp32 score.
+template <int64_t D>
+void scores_dot(const bf16_t* q, const bf16_t* k, const Geometry& g, const int32_t* slots,
+                int64_t len, float* sc) {
+  static_assert(D % 32 == 0);
+  const int64_t group = g.hq / g.hkv;
+  for (int64_t t = 0; t < len; ++t) {
+    const bf16_t* kr = k + slots[t] * g.sk;
+    for (int64_t h = 0; h < g.hq; ++h) {
+      const bf16_t* qh = q + h * D;
+      const bf16_t* kh = kr + (h / group) * D;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t e = 0; e < D; e += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + e),
+                               (__m512bh)_mm512_loadu_si512(kh + e));
+      sc[h * len + t] = _mm512_reduce_add_ps(acc) * g.scale;
+    }
+  }
+}
+#endif
+
 template <int64_t D, typename T>
 void scores(const T* q, const T* k, const Geometry& g, const int32_t* slots, int64_t len,
             float* qf, float* sc) {
+#if RS_DECODE_BF16_DOT
+  if constexpr (std::is_same_v<T, bf16_t> && D != 0 && D % 32 == 0) {
+    return scores_dot<D>(q, k, g, slots, len, sc);
+  }
+#endif
   const int64_t d = D ? D : g.d, group = g.hq / g.hkv;
   for (int64_t i = 0; i < g.hq * d; ++i) qf[i] = ld(q, i) * g.scale;
   for (int64_t t = 0; t < len; ++t) {
