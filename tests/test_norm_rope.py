@@ -30,7 +30,7 @@ def native() -> NormRope:
 
 @pytest.mark.parametrize("rows", [1, 17, 300])
 @pytest.mark.parametrize("hidden", [64, 576, 4096])
-def test_rms_norm_fp32_matches_hf_order_to_an_ulp(rows: int, hidden: int) -> None:
+def test_rms_norm_fp32_matches_hf_order_to_a_few_ulps(rows: int, hidden: int) -> None:
     gen = torch.Generator().manual_seed(rows + hidden)
     x = torch.randn(rows, hidden, generator=gen) * 3
     w = torch.rand(hidden, generator=gen) + 0.5

@@ -24,7 +24,7 @@ import torch
 from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "norm_rope.cpp"
-EXT_BASE = "radixserve_norm_rope_v2"  # bump with the source: a fresh build, not a stale one
+EXT_BASE = "radixserve_norm_rope_v3"  # bump with the source: a fresh build, not a stale one
 # No -ffast-math: the ops must round product by product as torch does (rope_qk bit-identical).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 

@@ -47,9 +47,9 @@ class RotaryTable:
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # (max_positions, head_dim / 2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_positions, head_dim)
-        self.half = head_dim // 2
+        half = head_dim // 2
         sin = emb.sin()
-        sin[:, : self.half] = -sin[:, : self.half]
+        sin[:, :half] = -sin[:, :half]
         self.cos = emb.cos().to(device=device, dtype=dtype)  # (max_positions, head_dim)
         self.sin = sin.to(device=device, dtype=dtype)  # (max_positions, head_dim), signed
 

@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_access.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define RS_DECODE_BF16_DOT 1
@@ -28,17 +30,9 @@
 
 namespace {
 
-// Element access in fp32; bf16 through its bits (fp32's upper half) so that loops vectorize.
-using bf16_t = uint16_t;
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const bf16_t* p, int64_t i) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(p[i]) << 16);
-}
-inline void st(float* p, int64_t i, float v) { p[i] = v; }
-inline void st(bf16_t* p, int64_t i, float v) {  // round to nearest even, as at::BFloat16
-  const uint32_t u = __builtin_bit_cast(uint32_t, v);
-  p[i] = static_cast<bf16_t>(v != v ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+using radixserve_bf16::bf16_t;
+using radixserve_bf16::ld;
+using radixserve_bf16::st;
 
 struct Geometry {
   int64_t hq, hkv, d, sk, sv;  // query heads, KV heads, head_dim, slot strides of the caches

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -119,6 +120,45 @@ struct Shape {
   float scale;
 };
 
+// Where key / value row t (of the P + M keys, then padding) of KV head h lives: the prefix in
+// the pool through its slot, then the chunk's own k / v; nullptr for padding rows.
+template <typename T>
+struct KVRows {
+  const T *k, *v, *kc, *vc;
+  int64_t sk0, sk1, sv0, sv1, skc, svc;
+  const int32_t* slots;
+
+  static KVRows of(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
+                   const at::Tensor& vc, const at::Tensor& slots) {
+    auto p = [](const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); };
+    return {p(k), p(v), p(kc), p(vc), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), vc.stride(0), slots.data_ptr<int32_t>()};
+  }
+
+  std::pair<const T*, const T*> rows(int64_t t, int64_t h, int64_t d, const Shape& sh) const {
+    if (t < sh.p) return {kc + slots[t] * skc + h * d, vc + slots[t] * svc + h * d};
+    if (t < sh.p + sh.m) return {k + (t - sh.p) * sk0 + h * sk1, v + (t - sh.p) * sv0 + h * sv1};
+    return {nullptr, nullptr};
+  }
+};
+
+// Tasks: (KV head, query block of BQ), fn(h, q0, nq, work) each. A query block's cost grows
+// with its index (causal), and parallel_for hands each thread a contiguous range: the blocks
+// go in the order last, first, second to last, second, ... so that every range mixes long and
+// short ones. `work` is the thread's reusable scratch.
+template <typename F>
+void for_each_task(const Shape& sh, const F& fn) {
+  const int64_t nqb = (sh.m + BQ - 1) / BQ;
+  at::parallel_for(0, sh.hkv * nqb, 1, [&](int64_t tb, int64_t te) {
+    std::vector<float> work;
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t u = t / sh.hkv, h = t % sh.hkv;
+      const int64_t q0 = (u % 2 == 0 ? nqb - 1 - u / 2 : u / 2) * BQ;
+      fn(h, q0, std::min(BQ, sh.m - q0), work);
+    }
+  });
+}
+
 // One block of W keys from k0 for the task's rows: scores, online softmax, P.V into o.
 template <int64_t D, int64_t W>
 void key_block(const float* qf, const float* kt, const float* vf, const Shape& sh, int64_t q0,
@@ -188,22 +228,13 @@ void attend_task(const T* q, int64_t sq0, int64_t sq1, const float* kt, const fl
 
 // Kt (Hkv, D, Lpad) and V (Hkv, Lpad, D) in fp32: the prefix from the pool, then the chunk.
 template <int64_t D, typename T>
-void convert_kv(const T* k, const T* v, int64_t sk0, int64_t sk1, int64_t sv0, int64_t sv1,
-                const T* kc, const T* vc, int64_t skc, int64_t svc, const int32_t* slots,
-                const Shape& sh, float* kt, float* vf) {
+void convert_kv(const KVRows<T>& src, const Shape& sh, float* kt, float* vf) {
   at::parallel_for(0, sh.hkv, 1, [&](int64_t hb, int64_t he) {
     for (int64_t h = hb; h < he; ++h) {
       float* kth = kt + h * D * sh.lpad;
       float* vh = vf + h * sh.lpad * D;
       for (int64_t t = 0; t < sh.lpad; ++t) {
-        const T *kr = nullptr, *vr = nullptr;
-        if (t < sh.p) {
-          kr = kc + slots[t] * skc + h * D;
-          vr = vc + slots[t] * svc + h * D;
-        } else if (t < sh.p + sh.m) {
-          kr = k + (t - sh.p) * sk0 + h * sk1;
-          vr = v + (t - sh.p) * sv0 + h * sv1;
-        }
+        const auto [kr, vr] = src.rows(t, h, D, sh);
         for (int64_t e = 0; e < D; ++e) {
           kth[e * sh.lpad + t] = kr ? to_f(kr[e]) : 0.f;
           vh[t * D + e] = vr ? to_f(vr[e]) : 0.f;
@@ -218,28 +249,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
          const at::Tensor& vc, const at::Tensor& slots, const Shape& sh, at::Tensor& out,
          at::Tensor& lse) {
   std::vector<float> kt(sh.hkv * D * sh.lpad), vf(sh.hkv * sh.lpad * D);
-  convert_kv<D, T>(static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
-                   k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                   static_cast<const T*>(kc.data_ptr()), static_cast<const T*>(vc.data_ptr()),
-                   kc.stride(0), vc.stride(0), slots.data_ptr<int32_t>(), sh, kt.data(),
-                   vf.data());
-  const int64_t nqb = (sh.m + BQ - 1) / BQ;
+  convert_kv<D, T>(KVRows<T>::of(k, v, kc, vc, slots), sh, kt.data(), vf.data());
   const T* qp = static_cast<const T*>(q.data_ptr());
   T* op = static_cast<T*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
-  // Tasks: (KV head, query block). A query block's cost grows with its index (causal), and
-  // parallel_for hands each thread a contiguous range: the blocks go in the order last, first,
-  // second to last, second, ... so that every range mixes long and short ones.
-  at::parallel_for(0, sh.hkv * nqb, 1, [&](int64_t tb, int64_t te) {
-    std::vector<float> work;
-    for (int64_t t = tb; t < te; ++t) {
-      const int64_t u = t / sh.hkv, h = t % sh.hkv;
-      const int64_t qb = u % 2 == 0 ? nqb - 1 - u / 2 : u / 2;
-      const int64_t q0 = qb * BQ;
-      attend_task<D, T>(qp, q.stride(0), q.stride(1), kt.data() + h * D * sh.lpad,
-                        vf.data() + h * sh.lpad * D, sh, h, q0, std::min(BQ, sh.m - q0), op, lp,
-                        work);
-    }
+  for_each_task(sh, [&](int64_t h, int64_t q0, int64_t nq, std::vector<float>& work) {
+    attend_task<D, T>(qp, q.stride(0), q.stride(1), kt.data() + h * D * sh.lpad,
+                      vf.data() + h * sh.lpad * D, sh, h, q0, nq, op, lp, work);
   });
 }
 
@@ -254,22 +270,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 using word = uint32_t;
 
 template <int64_t D>
-void convert_kv_pairs(const uint16_t* k, const uint16_t* v, int64_t sk0, int64_t sk1, int64_t sv0,
-                      int64_t sv1, const uint16_t* kc, const uint16_t* vc, int64_t skc, int64_t svc,
-                      const int32_t* slots, const Shape& sh, word* kp, uint16_t* vp) {
+void convert_kv_pairs(const KVRows<uint16_t>& src, const Shape& sh, word* kp, uint16_t* vp) {
   at::parallel_for(0, sh.hkv, 1, [&](int64_t hb, int64_t he) {
     for (int64_t h = hb; h < he; ++h) {
       word* kh = kp + h * (D / 2) * sh.lpad;
       uint16_t* vh = vp + h * sh.lpad * D;  // (Lpad/2, D, 2) halves
       for (int64_t t = 0; t < sh.lpad; ++t) {
-        const uint16_t *kr = nullptr, *vr = nullptr;
-        if (t < sh.p) {
-          kr = kc + slots[t] * skc + h * D;
-          vr = vc + slots[t] * svc + h * D;
-        } else if (t < sh.p + sh.m) {
-          kr = k + (t - sh.p) * sk0 + h * sk1;
-          vr = v + (t - sh.p) * sv0 + h * sv1;
-        }
+        const auto [kr, vr] = src.rows(t, h, D, sh);
         for (int64_t dp = 0; dp < D / 2; ++dp)
           kh[dp * sh.lpad + t] = kr ? (word(kr[2 * dp]) | word(kr[2 * dp + 1]) << 16) : 0u;
         uint16_t* vdst = vh + (t / 2) * D * 2 + t % 2;
@@ -397,22 +404,14 @@ void run_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              const at::Tensor& vc, const at::Tensor& slots, const Shape& sh, at::Tensor& out,
              at::Tensor& lse) {
   std::vector<word> kp(sh.hkv * (D / 2) * sh.lpad), vp(sh.hkv * (sh.lpad / 2) * D);
-  auto u16 = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); };
-  convert_kv_pairs<D>(u16(k), u16(v), k.stride(0), k.stride(1), v.stride(0), v.stride(1), u16(kc),
-                      u16(vc), kc.stride(0), vc.stride(0), slots.data_ptr<int32_t>(), sh,
-                      kp.data(), reinterpret_cast<uint16_t*>(vp.data()));
-  const int64_t nqb = (sh.m + BQ - 1) / BQ;
+  convert_kv_pairs<D>(KVRows<uint16_t>::of(k, v, kc, vc, slots), sh, kp.data(),
+                      reinterpret_cast<uint16_t*>(vp.data()));
+  const uint16_t* qp = static_cast<const uint16_t*>(q.data_ptr());
   uint16_t* op = static_cast<uint16_t*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, sh.hkv * nqb, 1, [&](int64_t tb, int64_t te) {
-    std::vector<float> work;
-    for (int64_t t = tb; t < te; ++t) {  // the same task order as run()
-      const int64_t u = t / sh.hkv, h = t % sh.hkv;
-      const int64_t qb = u % 2 == 0 ? nqb - 1 - u / 2 : u / 2;
-      attend_task_dot<D>(u16(q), q.stride(0), q.stride(1), kp.data() + h * (D / 2) * sh.lpad,
-                         vp.data() + h * (sh.lpad / 2) * D, sh, h, qb * BQ,
-                         std::min(BQ, sh.m - qb * BQ), op, lp, work);
-    }
+  for_each_task(sh, [&](int64_t h, int64_t q0, int64_t nq, std::vector<float>& work) {
+    attend_task_dot<D>(qp, q.stride(0), q.stride(1), kp.data() + h * (D / 2) * sh.lpad,
+                       vp.data() + h * (sh.lpad / 2) * D, sh, h, q0, nq, op, lp, work);
   });
 }
 #endif
@@ -426,7 +425,7 @@ void dispatch_dtype(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
 #if RS_PREFILL_BF16_DOT
-    if (D >= 32) return run_dot<D>(q, k, v, kc, vc, slots, sh, out, lse);
+    return run_dot<D>(q, k, v, kc, vc, slots, sh, out, lse);  // head dims 32/64/128 only
 #endif
     run<D, at::BFloat16>(q, k, v, kc, vc, slots, sh, out, lse);
   }

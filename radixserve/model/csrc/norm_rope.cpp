@@ -25,28 +25,31 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../../attention/csrc/bf16_access.h"
+
 namespace {
 
-// Element access in fp32, written so that the loops vectorize: bf16 goes through its bits
-// (at::BFloat16's scalar conversions keep gcc from vectorizing). Rounding to bf16 is to
-// nearest even, NaN to the quiet NaN, as at::BFloat16's.
-using bf16_t = uint16_t;
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const bf16_t* p, int64_t i) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(p[i]) << 16);
-}
-inline void st(float* p, int64_t i, float v) { p[i] = v; }
-inline void st(bf16_t* p, int64_t i, float v) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, v);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  p[i] = static_cast<bf16_t>(v != v ? 0x7FC0u : r);
-}
+using radixserve_bf16::bf16_t;  // fp32 / bf16 element access: ld, st
+using radixserve_bf16::ld;
+using radixserve_bf16::st;
+
 // The value rounded to T and back: what a torch op producing a T tensor hands the next op.
 inline float rnd(float v, const float*) { return v; }
 inline float rnd(float v, const bf16_t*) {
   bf16_t b;
   st(&b, 0, v);
   return ld(&b, 0);
+}
+
+// run(float{}) or run(bf16_t{}) by the tensors' dtype; others are an error.
+template <typename F>
+void with_dtype(at::ScalarType t, const F& run) {
+  if (t == at::kFloat) {
+    run(float{});
+  } else {
+    TORCH_CHECK(t == at::kBFloat16, "float32 or bfloat16 only");
+    run(bf16_t{});
+  }
 }
 
 constexpr int64_t GRAIN = 16;  // rows per parallel task: a few KB each, enough to amortize
@@ -87,12 +90,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
       rms_rows<T>(xp, x.stride(0), wp, op, b, e, h, static_cast<float>(eps));
     });
   };
-  if (x.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    run(bf16_t{});
-  }
+  with_dtype(x.scalar_type(), run);
   return out;
 }
 
@@ -141,12 +139,7 @@ at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
       rope_rows<T>(xp, qkv.stride(0), cp, sp, cos.stride(0), sin.stride(0), op, b, e, heads, d);
     });
   };
-  if (qkv.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    run(bf16_t{});
-  }
+  with_dtype(qkv.scalar_type(), run);
   return out;
 }
 
