@@ -278,9 +278,10 @@ class KVEventPublisher:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
+            try:  # not wait_for: on 3.11 it can swallow a cancel arriving with the wake-up
+                async with asyncio.timeout(remaining):
+                    await self._wakeup.wait()
+            except TimeoutError:
                 return False
         return self._last_seq > seq
 

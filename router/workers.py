@@ -11,6 +11,7 @@ Does not know: routing policies, the prefix indexes, request bodies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,8 @@ async def health_loop(
         await probe_all(session, pool, timeout_s)
         # A floor between rounds, so a burst of suspect marks cannot spin the loop.
         await asyncio.sleep(min(interval_s, 0.05))
-        try:
-            await asyncio.wait_for(pool.probe_soon.wait(), interval_s)
-        except asyncio.TimeoutError:
-            pass
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that lands
+        # as the event fires, and the loop would then sleep a whole interval past shutdown.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await pool.probe_soon.wait()

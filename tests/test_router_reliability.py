@@ -26,6 +26,7 @@ from router.app import ROUTER_KEY
 from router.app import create_app as create_router_app
 from router.config import PolicyName, RouterConfig
 from router.kv_index import PreciseIndex
+from router.workers import WorkerPool, health_loop
 from tests.tiny_models import make_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -191,3 +192,18 @@ async def test_draining_replica_is_taken_out_of_rotation(tmp_path: Path) -> None
                 assert resp.status == 503
         finally:
             await runner.cleanup()
+
+
+async def test_health_loop_stops_when_cancelled_as_a_probe_is_requested() -> None:
+    # The race behind a CI hang: a cancel landing in the same loop turn as probe_soon.set().
+    # asyncio.wait_for (Python 3.11) returned the event's result and dropped the cancel, so the
+    # loop slept a whole interval (60 s) before the router could shut down.
+    pool = WorkerPool((), fail_threshold=2, success_threshold=1)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(20):
+            task = asyncio.create_task(health_loop(session, pool, 60.0, 1.0))
+            await asyncio.sleep(0.07)  # past the 50 ms floor: waiting on probe_soon
+            pool.probe_soon.set()
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=5.0)
+            assert done == {task} and task.cancelled()
