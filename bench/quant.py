@@ -3,12 +3,8 @@
     python -m bench.quant                       # smollm2-135m, median of 3
     python -m bench.quant --runs 1 --configs fp32,int8
 
-Configs: fp32, bf16, int8 (fp32 activations; the kernels of model/quant.py: the native
-weight-only kernel up to 16 rows, dynamic int8 activations and `_int_mm` above), int8-native
-(the native kernel at every row count: RADIXSERVE_INT8_WEIGHT_ONLY=1), int8-intmm (torch's
-kernels only, what a failed build runs: `_weight_int8pack_mm` for <= 2 rows, `_int_mm` above),
-int8-fphead (LM head kept in float), int8-bf16 (bf16 activations), int8-wonly (torch's
-weight-only kernel at every row count; slow at 32 rows).
+Configs: fp32, bf16, int8 (weight-only, fp32 activations: model/quant.py's native kernel at
+every row count), int8-fphead (LM head kept in float), int8-bf16 (bf16 activations).
 
 Every engine is loaded once and the runs interleave (config A, B, C, A, B, C, ...), so that
 load on this shared machine hits all of them alike. Speed: decode tok/s of one sequence and
@@ -29,7 +25,6 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.model.cpu_linear import make_linear
-from radixserve.model.quant import Int8Linear
 
 TOPICS = [
     "photosynthesis", "the French revolution", "black holes", "how vaccines work", "the stock market",
@@ -40,17 +35,13 @@ TOPICS = [
     "the printing press", "recycling plastics", "sleep", "the Great Wall of China", "tides",
     "prime numbers", "bread baking",
 ]
-# name -> (LLM kwargs, keep the LM head in float, torch's weight-only kernel for every row count,
-# the native kernel up to this many rows (None: quant.py's default))
-CONFIGS: dict[str, tuple[dict[str, str], bool, bool, int | None]] = {
-    "fp32": ({"dtype": "float32"}, False, False, None),
-    "bf16": ({"dtype": "bfloat16"}, False, False, None),
-    "int8": ({"dtype": "float32", "quantization": "int8"}, False, False, None),
-    "int8-intmm": ({"dtype": "float32", "quantization": "int8"}, False, False, 0),
-    "int8-native": ({"dtype": "float32", "quantization": "int8"}, False, False, 1 << 62),
-    "int8-fphead": ({"dtype": "float32", "quantization": "int8"}, True, False, None),
-    "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, False, False, None),
-    "int8-wonly": ({"dtype": "float32", "quantization": "int8"}, False, True, 0),
+# name -> (LLM kwargs, keep the LM head in float)
+CONFIGS: dict[str, tuple[dict[str, str], bool]] = {
+    "fp32": ({"dtype": "float32"}, False),
+    "bf16": ({"dtype": "bfloat16"}, False),
+    "int8": ({"dtype": "float32", "quantization": "int8"}, False),
+    "int8-fphead": ({"dtype": "float32", "quantization": "int8"}, True),
+    "int8-bf16": ({"dtype": "bfloat16", "quantization": "int8"}, False),
 }
 
 
@@ -63,20 +54,11 @@ class Quality:
 
 
 def load(name: str, model: str) -> LLM:
-    kwargs, float_head, weight_only, native_rows = CONFIGS[name]
+    kwargs, float_head = CONFIGS[name]
     llm = LLM(model, kv_cache_tokens=6144, max_model_len=4096, **kwargs)  # type: ignore[arg-type]
     m = llm.engine.runner.model
     if float_head:  # the LM head in the activation dtype, the layers int8
         m.lm_head = make_linear(m.embed, None, None)
-    linears = [m.lm_head] + [x for lay in m.layers
-                             for x in (lay.qkv, lay.o_proj, lay.mlp.gate_up_q, lay.mlp.down)]
-    for lin in linears:
-        if not isinstance(lin, Int8Linear):
-            continue
-        if weight_only:  # int8 weights x bf16 activations at every row count: no activation quant
-            lin.weight_only_max_rows = 1 << 30
-        if native_rows is not None:
-            lin.native_max_rows = native_rows
     return llm
 
 

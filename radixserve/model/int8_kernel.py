@@ -1,18 +1,23 @@
-"""The native weight-only int8 GEMM for CPU: building and loading it, and its reference.
+"""The native weight-only int8 GEMM for CPU: its weight layout, building and loading it, and
+its reference.
 
-Owns: compiling csrc/int8_gemm.cpp with torch's C++ extension loader (as the attention kernel
+Owns: the packed weight layout the kernel reads (`pack_int8_weight` / `unpack_int8_weight`),
+compiling csrc/int8_packed_gemm.cpp with torch's C++ extension loader (as the attention kernel
 is built: attention/cpu_kernels.py; cached per source version and CPU flags, -march=native,
--ffast-math on the compile step only), the op `torch.ops.radixserve.int8_weight_gemm`, and
-`int8_weight_gemm_reference`, its specification in float64. Does not know: when the kernel is
-used (quant.Int8Linear decides by row count).
+-ffast-math on the compile step only), the op `torch.ops.radixserve.int8_packed_gemm`, and
+`int8_gemm_reference`, its specification in float64. Does not know: layers, configs (quant.py's
+Int8Linear holds the weight and calls the op).
 
-The op: y (M, N) = x (M, K) @ (qweight (N, K) int8 * scale (N,) fp32).T, x float32 or
-bfloat16, y in x's dtype, fp32 accumulation. On a CPU with AVX512-BF16 x is rounded to bf16
-and the int8 weights are widened to bf16 in the kernel (vdpbf16ps); elsewhere the same tiling
-runs in fp32 (`torch.ops.radixserve.int8_weight_gemm_uses_bf16()` says which).
+The op: y (M, N) = x (M, K) @ (q (N, K) int8 * scale (N,) fp32).T, with q given packed, x
+float32 or bfloat16, y in x's dtype, fp32 accumulation. On a CPU with AVX512-BF16 x is rounded
+to bf16 and the int8 weights are widened to bf16 in the kernel (vdpbf16ps); elsewhere the same
+tiling runs in fp32 (`torch.ops.radixserve.int8_packed_gemm_uses_bf16()` says which).
+
+Packed layout: (ceil(N / 16), ceil(K / 2), 16, 2) int8, zero padded: per block of 16 output
+channels and per pair of inputs, the 16 x 2 weights side by side (vdpbf16ps's operand order).
 
 If the build fails (no compiler, no ninja) or RADIXSERVE_NO_CPU_KERNELS=1, `load_int8_gemm`
-returns None and Int8Linear keeps torch's kernels.
+returns None and Int8Linear keeps torch's kernels (and the plain (N, K) layout).
 """
 
 from __future__ import annotations
@@ -25,28 +30,47 @@ import torch
 
 from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 
-SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
-EXT_BASE = "radixserve_int8_gemm_v3"  # bump with the source: a fresh build, not a stale one
+SOURCE = Path(__file__).parent / "csrc" / "int8_packed_gemm.cpp"
+EXT_BASE = "radixserve_int8_gemm_v4"  # bump with the source: a fresh build, not a stale one
+BLOCK = 16  # output channels per packed block
 
-Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x (M, K), packed weight, scale (N,), N) -> y (M, N)
+Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def _registered() -> bool:
-    return hasattr(torch.ops.radixserve, "int8_weight_gemm")
+    return hasattr(torch.ops.radixserve, "int8_packed_gemm")
 
 
 def load_int8_gemm() -> Int8Gemm | None:
-    """torch.ops.radixserve.int8_weight_gemm, built on first use; None where unavailable."""
+    """torch.ops.radixserve.int8_packed_gemm, built on first use; None where unavailable."""
     if os.environ.get(ENV_DISABLE) == "1":
         return None
     if not (_registered() or build_extension(EXT_BASE, [SOURCE], "CPU int8 GEMM kernel")):
         return None
-    op: Int8Gemm = torch.ops.radixserve.int8_weight_gemm
+    op: Int8Gemm = torch.ops.radixserve.int8_packed_gemm
     return op
 
 
-def int8_weight_gemm_reference(x: torch.Tensor, qweight: torch.Tensor,
-                               scale: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64 on the dequantized weight; (M, N) in x's dtype."""
+def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 -> the kernel's (ceil(N / 16), ceil(K / 2), 16, 2) int8, zero padded."""
+    n, k = qweight.shape
+    n_pad, k_pad = -(-n // BLOCK) * BLOCK, -(-k // 2) * 2
+    q = torch.zeros(n_pad, k_pad, dtype=torch.int8, device=qweight.device)
+    q[:n, :k] = qweight
+    return q.view(n_pad // BLOCK, BLOCK, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of pack_int8_weight: (N, K) int8."""
+    blocks, pairs = packed.shape[:2]
+    plain = packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK, pairs * 2)
+    return plain[:n, :k].contiguous()
+
+
+def int8_gemm_reference(x: torch.Tensor, qweight: torch.Tensor,
+                        scale: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64 on the dequantized (N, K) weight; (M, N) in x's
+    dtype."""
     w = qweight.double() * scale.double()[:, None]  # (N, K)
     return (x.double() @ w.t()).to(x.dtype)
