@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from radixserve.types import RESERVED_TEMPLATE_KWARGS, TemplateOptions
+
 
 def load_tokenizer(hf_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(hf_dir))
@@ -26,11 +28,19 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    options: TemplateOptions | None = None,
 ) -> str:
-    """`tools` (OpenAI's tool list) only for templates that render tools themselves."""
+    """`tools` (OpenAI's tool list) only for templates that render tools themselves;
+    `options` overrides `add_generation_prompt`."""
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use /v1/completions")
     extra: dict[str, Any] = {} if tools is None else {"tools": tools}
+    if options is not None:
+        assert not RESERVED_TEMPLATE_KWARGS & options.kwargs.keys(), options.kwargs
+        extra.update(options.kwargs)
+        add_generation_prompt = options.add_generation_prompt
+        if options.continue_final_message:
+            extra["continue_final_message"] = True
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
     )
@@ -43,9 +53,10 @@ def encode_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    options: TemplateOptions | None = None,
 ) -> list[int]:
     """Chat prompt: the rendered template already holds every special token it needs."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, tools)
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools, options)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -1,7 +1,8 @@
 """Core request-level types shared by the scheduler, the model runner and the engine.
 
-Owns: SamplingParams (frozen, validated), FinishReason, Phase, TokenOutput, TokenLogprobs and
-InvalidRequestError: the types both sides of the process boundary use (torch-free).
+Owns: SamplingParams (frozen, validated), FinishReason, Phase, TokenOutput, TokenLogprobs,
+TemplateOptions (how a chat is rendered) and InvalidRequestError: the types both sides of the
+process boundary use (torch-free).
 Does not know: HTTP, tokenizers, KV tensors, the engine's Req (radixserve/sched/req.py).
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.constraints import Constraint
 
@@ -21,6 +23,41 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.status = status
+
+
+# Names apply_chat_template (or tokenizer.py) sets itself: not overridable as template kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a conversation is rendered: vLLM's chat extras, with its rules (checked here, so
+    the HTTP and offline APIs refuse the same things)."""
+
+    add_generation_prompt: bool = True  # open an assistant turn for the reply
+    continue_final_message: bool = False  # leave the last (assistant) message open instead
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                "(set add_generation_prompt to false to continue the last message)",
+                "continue_final_message")
+        bad_keys = sorted(k for k in self.kwargs if not isinstance(k, str)
+                          or k in RESERVED_TEMPLATE_KWARGS)
+        if bad_keys:
+            raise InvalidRequestError(
+                f"'chat_template_kwargs' may not set {', '.join(map(repr, bad_keys))} (set by "
+                "the request itself)", "chat_template_kwargs")
+
+    def check_messages(self, roles: list[str]) -> None:
+        if self.continue_final_message and (not roles or roles[-1] != "assistant"):
+            raise InvalidRequestError("'continue_final_message' needs the last message to be "
+                                      "an assistant message", "continue_final_message")
 
 
 class FinishReason(enum.Enum):

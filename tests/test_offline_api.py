@@ -135,3 +135,24 @@ def test_readme_offline_structured_output_snippet() -> None:
     out = scope["out"]
     assert out.finish_reason == "stop"  # type: ignore[attr-defined]
     jsonschema.validate(json.loads(out.text), scope["person"])  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_readme_offline_chat_with_tools_snippet() -> None:
+    """The README's offline quick start, then its LLM.chat(tools=...) snippet, as written."""
+    import json
+
+    import jsonschema
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    quick = readme.split("Offline, without HTTP:\n\n```python\n", 1)[1].split("```", 1)[0]
+    tools = readme.split("stays raw, and the calls are read back into `o.tool_calls` "
+                         "(OpenAI's shape):\n\n```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(compile(quick + tools, "README.md", "exec"), scope)  # noqa: S102
+    out = scope["out"]
+    (call, *_) = out.tool_calls  # type: ignore[attr-defined]
+    assert call["function"]["name"] == "get_weather"
+    schema = scope["weather"]["function"]["parameters"]  # type: ignore[index]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)

@@ -2,7 +2,9 @@
 
 Owns: turning prompts (text, token ids, chat conversations) into engine requests, running the
 engine until they finish, and collecting one RequestOutput per prompt, in input order.
-Does not know: HTTP, processes. Runs the engine in the calling thread.
+Chats with tools are rendered and their calls read back exactly as the HTTP server does
+(server/tool_prompt.py, server/tool_stream.py), so a prompt here and over HTTP share a cache
+prefix. Does not know: HTTP, processes. Runs the engine in the calling thread.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.grammar.validate import check_constraint
 from radixserve.ipc.messages import GenerateMsg
-from radixserve.types import SamplingParams, TokenLogprobs
+from radixserve.server.tool_stream import tool_message
+from radixserve.types import InvalidRequestError, SamplingParams, TemplateOptions, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -38,6 +41,9 @@ class RequestOutput:
     error: str | None = None  # the request failed in the engine (its grammar did not compile)
     ttft: float = 0.0  # seconds from submission to the first token
     latency: float = 0.0  # seconds from submission to the finish
+    # LLM.chat(tools=...): the calls read from `text`, in OpenAI's wire shape ({"id", "type":
+    # "function", "function": {"name", "arguments": JSON text}}); empty when it called none
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,18 +72,23 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | Sequence[str] = "",
         priority: int | Sequence[int] = 0,
+        *,
+        use_tqdm: bool = False,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (one continuous batch) and run until all finish.
 
-        `prompts`: one string, a list of strings, or a list of token-id lists. `params`,
-        `cache_salt` and `priority` (lower = more important): one for all, or one per prompt
-        (a length mismatch raises ValueError).
+        `prompts`: one string, a list of strings, or a list of token-id lists.
+        `sampling_params` (vLLM's name; `params` is the older spelling), `cache_salt` and
+        `priority` (lower = more important): one for all, or one per prompt (a length mismatch
+        raises ValueError). `use_tqdm`: a progress bar of finished prompts.
         """
         from radixserve.tokenizer import encode_prompt
 
+        params = _one_of(sampling_params, params)
         prompt_list = _as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = _per_prompt(params if params is not None else SamplingParams(), n,
@@ -102,30 +113,84 @@ class LLM:
             while self.engine.has_work():
                 self.engine.step()
             raise
-        self._run(results)
+        self._run(results, use_tqdm)
         return list(results.values())
 
     def chat(
         self,
-        conversations: Sequence[Message] | Sequence[Sequence[Message]],
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        tool_call_parser: str = "hermes",
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate; one conversation
-        (a list of message dicts) is accepted too. Returns one output per conversation."""
+        """Render each conversation with the model's chat template and generate; one
+        conversation (a list of message dicts) is accepted too. One output per conversation.
+
+        vLLM's keywords: `add_generation_prompt`, `continue_final_message` (leave the last,
+        assistant, message open), `chat_template_kwargs` (extra template variables), `tools`
+        (OpenAI's tool list; `tool_choice` "auto" | "none" | "required" | a named function).
+        With tools, the calls are read back into `output.tool_calls` (the text stays raw), in
+        the format of `tool_call_parser` (the server's --tool-call-parser: "hermes" or
+        "llama3_json"); "required" and a named function are enforced by grammar, as over
+        HTTP. Messages and tools are validated as the server does (InvalidRequestError, a
+        ValueError, naming the field).
+        """
+        from radixserve.server.chat_messages import parse_messages
+        from radixserve.server.tool_parsers import get_format
+        from radixserve.server.tool_prompt import supports_tools, template_messages
+        from radixserve.server.tools import parse_tools
         from radixserve.tokenizer import encode_chat
 
-        if not conversations:
+        if not messages:
             return []
-        convs = ([conversations] if isinstance(conversations[0], dict)
-                 else list(conversations))
-        prompts = [encode_chat(self.tokenizer, list(conv)) for conv in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        options = TemplateOptions(add_generation_prompt and not continue_final_message,
+                                  continue_final_message, dict(chat_template_kwargs or {}))
+        spec = parse_tools({"tools": tools, "tool_choice": tool_choice}, check_constraint)
+        try:
+            fmt = get_format(tool_call_parser)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "tool_call_parser") from e
+        native = supports_tools(getattr(self.tokenizer, "chat_template", None))
+        prompts = []
+        for conv in convs:
+            parsed = parse_messages(list(conv))
+            options.check_messages([m["role"] for m in parsed])
+            msgs, tool_list = template_messages(parsed, spec, fmt, native)
+            prompts.append(encode_chat(self.tokenizer, msgs, tools=tool_list, options=options))
+        params = _one_of(sampling_params, params)
+        # As over HTTP: the tool-call grammar (it lets "auto" write text or calls, and makes
+        # "required" / a named function write a call).
+        calls = None if spec is None else spec.constraint(tool_call_parser)
+        if calls is not None:
+            plist = _per_prompt(params if params is not None else SamplingParams(),
+                                len(prompts), SamplingParams, "sampling_params")
+            if any(p.constraint is not None for p in plist):
+                raise InvalidRequestError("an output constraint cannot be combined with tools "
+                                          "unless tool_choice is \"none\"", "tools")
+            params = [replace(p, constraint=calls) for p in plist]
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        if spec is not None and spec.parses_calls:
+            for out in outs:
+                message, _ = tool_message(fmt, out.text)
+                out.tool_calls = list(message.get("tool_calls", []))
+        return outs
 
     def kv_stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
-    def _run(self, results: dict[str, RequestOutput]) -> None:
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool = False) -> None:
+        from tqdm import tqdm
+
         start = time.perf_counter()
+        bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_work():
             for out in self.engine.step():
                 res = results.get(out.rid)
@@ -142,9 +207,17 @@ class LLM:
                 if out.finish_reason is not None:
                     res.finish_reason, res.latency = out.finish_reason.value, now
                     res.error = out.error
+                    bar.update(1)
+        bar.close()
         for res in results.values():
             text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             res.text = text if isinstance(text, str) else "".join(text)
+
+
+def _one_of(sampling_params: Any, params: Any) -> Any:
+    if sampling_params is not None and params is not None:
+        raise TypeError("pass 'sampling_params' or its older spelling 'params', not both")
+    return sampling_params if sampling_params is not None else params
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -5,7 +5,8 @@ Owns: validating `messages` and normalizing each to a plain dict:
   + for an assistant turn that called tools: "tool_calls": [{"id", "type": "function",
     "function": {"name", "arguments": <JSON text>}}] (its content may then be "")
   + for a tool result: "tool_call_id": str
-Every malformed message is an InvalidRequestError naming `messages[i]...`.
+Every malformed message is an InvalidRequestError naming `messages[i]...`. Also the request's
+template options (add_generation_prompt, continue_final_message, chat_template_kwargs).
 Does not know: chat templates or how tools are rendered (tool_prompt.py), HTTP.
 """
 
@@ -15,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from radixserve.server.fields import bad, check_fields
+from radixserve.server.fields import bad, check_fields, get_bool
+from radixserve.types import TemplateOptions
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant", "tool": "tool"}
@@ -105,3 +107,16 @@ def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     return tuple(parse_message(m, i) for i, m in enumerate(messages))
+
+
+def parse_template_options(body: dict[str, Any], roles: list[str]) -> TemplateOptions:
+    """vLLM's chat extras; defaults: a generation prompt, no continuation, no kwargs."""
+    agp = get_bool(body, "add_generation_prompt")
+    cont = get_bool(body, "continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    opts = TemplateOptions(add_generation_prompt=not cont if agp is None else agp,
+                           continue_final_message=bool(cont), kwargs=dict(kwargs or {}))
+    opts.check_messages(roles)
+    return opts

@@ -10,12 +10,12 @@ harmless, accepted at its no-op value, otherwise rejected by name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 from radixserve.constraints import Constraint
 from radixserve.grammar.validate import check_constraint
-from radixserve.server.chat_messages import parse_messages
+from radixserve.server.chat_messages import parse_messages, parse_template_options
 from radixserve.server.constraint_check import Check
 from radixserve.server.extra_constraints import EXTRA_CONSTRAINT_FIELDS, parse_extra_constraint
 from radixserve.server.fields import (
@@ -32,7 +32,7 @@ from radixserve.server.keys import MAX_ABS_PRIORITY
 from radixserve.server.native_constraints import NATIVE_CONSTRAINT_FIELDS, parse_native_constraint
 from radixserve.server.response_format import parse_response_format
 from radixserve.server.tools import ToolsSpec, parse_tools
-from radixserve.types import SamplingParams
+from radixserve.types import SamplingParams, TemplateOptions
 
 __all__ = ["check_token_ids", "parse_chat", "parse_completion", "parse_generate"]
 
@@ -58,7 +58,8 @@ COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "prompt", "echo", "logprobs", "response_format"}
 CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls"}
+    "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
                              "timeout"})
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
@@ -94,6 +95,7 @@ class ChatRequest:
     messages: tuple[dict[str, Any], ...]  # normalized by chat_messages.parse_messages
     opts: RequestOptions  # opts.params.constraint: from response_format or tool_choice
     tools: ToolsSpec | None = None
+    template: TemplateOptions = field(default_factory=TemplateOptions)
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ def parse_chat(body: Any, call_format: str = "hermes",
     `check` validates tool and response_format schemas."""
     body = check_fields(body, CHAT_FIELDS)
     parsed = parse_messages(body.get("messages"))
+    template = parse_template_options(body, [m["role"] for m in parsed])
     tools = parse_tools(body, check)
     constraint = _output_constraint(body, check)
     tool_constraint = None if tools is None else tools.constraint(call_format)
@@ -242,7 +245,8 @@ def parse_chat(body: Any, call_format: str = "hermes",
     if top is not None and not want_logprobs:
         raise bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     opts = _parse_options(body, None, (top or 0) if want_logprobs else None)
-    return ChatRequest(parsed, _with_constraint(opts, constraint or tool_constraint), tools)
+    return ChatRequest(parsed, _with_constraint(opts, constraint or tool_constraint), tools,
+                       template)
 
 
 def parse_generate(body: Any) -> GenerateRequest:

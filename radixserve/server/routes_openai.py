@@ -166,7 +166,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, arrival = _start(request)
     req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
     state.check_model(req.opts.model)
-    prompt = await state.encode_messages(req.messages, req.tools)
+    prompt = await state.encode_messages(req.messages, req.tools, req.template)
     request[PREVIEW_FIELD] = req.messages[-1]["content"]
     jobs = state.caller_jobs(request, [prompt], req.opts, "messages")
     # Tool calls are read back from the output unless tool_choice is "none" (or no tools).

@@ -38,7 +38,7 @@ from radixserve.server.sizing import JobCaps
 from radixserve.server.tool_parsers import get_format
 from radixserve.server.tool_prompt import supports_tools, template_messages
 from radixserve.server.tools import ToolsSpec
-from radixserve.types import SamplingParams
+from radixserve.types import SamplingParams, TemplateOptions
 
 OFFLOAD_CHARS = 2048  # tokenize longer inputs in a thread so one huge prompt stalls no one
 LOG_PREVIEW_CHARS = 8  # --log-requests shows this much of a prompt, never more
@@ -62,10 +62,10 @@ def _encode_prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                 tools: list[dict[str, Any]] | None) -> list[int]:
+                 tools: list[dict[str, Any]] | None, template: TemplateOptions) -> list[int]:
     from radixserve.tokenizer import encode_chat
 
-    return encode_chat(tokenizer, messages, tools=tools)
+    return encode_chat(tokenizer, messages, tools=tools, options=template)
 
 
 class ServerState:
@@ -151,18 +151,23 @@ class ServerState:
         return list(prompt)
 
     async def encode_messages(self, messages: Sequence[dict[str, Any]],
-                              tools: ToolsSpec | None = None) -> list[int]:
+                              tools: ToolsSpec | None = None,
+                              template: TemplateOptions | None = None) -> list[int]:
         """The chat prompt; tools, calls and results rendered as tool_prompt.py says."""
+        template = template or TemplateOptions()
         msgs, tool_list = template_messages(messages, tools, self.call_format, self.native_tools)
         size = sum(len(m["content"] or "") for m in msgs)
         if tool_list is not None:
             size += len(orjson.dumps(tool_list))
+        size += len(orjson.dumps(template.kwargs)) if template.kwargs else 0
         try:
-            return await self._offload(size, _encode_chat, self.tokenizer, msgs, tool_list)
+            return await self._offload(size, _encode_chat, self.tokenizer, msgs, tool_list,
+                                       template)
         except ValueError as err:  # no chat template
             raise APIError(400, str(err), param="messages") from err
         except Exception as err:  # a template that rejects the conversation (jinja raise)
-            if type(err).__module__.startswith("jinja2"):
+            # TypeError: a chat_template_kwargs value the template cannot use
+            if type(err).__module__.startswith("jinja2") or isinstance(err, TypeError):
                 raise APIError(400, f"chat template error: {err}", param="messages") from err
             raise
 
