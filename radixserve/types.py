@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,10 +97,16 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
     # Grammar-constrained decoding (JSON schema, regex, choice, EBNF, tool calls); None = free.
     constraint: Constraint | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's / vLLM's logit_bias:
+    # -100 bans a token, +100 all but forces it). A {token_id: bias} mapping is accepted and
+    # kept as ((token_id, bias), ...) sorted by id.
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(msg: str, param: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param=param)
+
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
             raise bad("temperature must be a finite number", "temperature")
@@ -132,12 +139,37 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as ((token_id, bias), ...) (what __post_init__ normalized it to)."""
+        assert isinstance(self.logit_bias, tuple)
+        return self.logit_bias
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.presence_penalty != 0
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1.0
         )
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    items = list(value.items()) if isinstance(value, Mapping) \
+        else list(value)  # type: ignore[call-overload]
+    pairs = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+        tok, bias = item
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), "
+                                      f"got {tok!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got "
+                                      f"{bias!r} for token {tok}", "logit_bias")
+        pairs.append((tok, float(bias)))
+    return tuple(sorted(pairs))
 
 
 @dataclass(frozen=True)

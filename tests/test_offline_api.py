@@ -156,3 +156,20 @@ def test_readme_offline_chat_with_tools_snippet() -> None:
     assert call["function"]["name"] == "get_weather"
     schema = scope["weather"]["function"]["parameters"]  # type: ignore[index]
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+def test_offline_logit_bias_as_vllm_spells_it(tiny_llama: Path) -> None:
+    from radixserve import LLM, SamplingParams
+    from radixserve.types import InvalidRequestError
+
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4,
+                                                      logit_bias={42: 100}))
+    assert out.token_ids == [42] * 4
+    with pytest.raises(InvalidRequestError, match="logit_bias token ids"):
+        llm.generate([[5, 6, 7]], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101})
+    assert SamplingParams(logit_bias={3: 1, 1: -2}) == \
+        SamplingParams(logit_bias=((1, -2.0), (3, 1.0)))
+    hash(SamplingParams(logit_bias={3: 1}))  # still a frozen, hashable value

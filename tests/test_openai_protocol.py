@@ -99,7 +99,7 @@ def test_completion_rejects(body: Any, param: str | None) -> None:
 
 
 @pytest.mark.parametrize("field", [
-    {"tools": [{"type": "function"}]}, {"best_of": 2}, {"suffix": "x"}, {"logit_bias": {"1": 5}},
+    {"tools": [{"type": "function"}]}, {"best_of": 2}, {"suffix": "x"},
     {"response_format": {"type": "yaml"}}, {"functions": [{}]}, {"whatever": 1},
     {"guided_json": ""}, {"prediction": {"type": "content"}}, {"tool_choice": "auto"},
 ])
@@ -182,3 +182,19 @@ def test_priority_field_on_every_route() -> None:
         with pytest.raises(InvalidRequestError) as err:
             parse_completion({"prompt": "a", "priority": bad_value})
         assert err.value.param == "priority"
+
+
+def test_logit_bias() -> None:
+    """OpenAI's shape (string token ids -> numbers in [-100, 100]), on every route."""
+    p = parse_completion({"prompt": "a", "logit_bias": {"50": -100, "7": 2.5}}).opts.params
+    assert p.logit_bias == ((7, 2.5), (50, -100.0))
+    assert parse_chat({"messages": MSGS, "logit_bias": {"3": 1}}).opts.params.bias_pairs == \
+        ((3, 1.0),)
+    gen = parse_generate({"text": "a", "sampling_params": {"logit_bias": {"4": 100}}})
+    assert gen.opts.params.bias_pairs == ((4, 100.0),)
+    assert parse_completion({"prompt": "a", "logit_bias": {}}).opts.params.logit_bias == ()
+    for value, words in [([1], "object"), ({"x": 1}, "token ids"), ({"1.5": 1}, "token ids"),
+                         ({"-1": 1}, ">= 0"), ({"1": "high"}, "numbers"), ({"1": True}, "numbers"),
+                         ({"1": 100.5}, "[-100, 100]"), ({"1": -1e308}, "[-100, 100]")]:
+        message = bad(parse_completion, {"prompt": "a", "logit_bias": value}, "logit_bias")
+        assert words in message, (value, message)

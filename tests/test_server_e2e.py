@@ -229,3 +229,31 @@ async def test_kv_events_carry_the_salted_block_hashes(server: str) -> None:
                     for event in orjson.loads(line[6:])["events"]:
                         seen.update(event.get("block_hashes", ()))
     assert set(want) <= seen  # the replica announced exactly the hashes a router computes
+
+
+def test_logit_bias_through_the_sdk(server: str) -> None:
+    """OpenAI's logit_bias as the SDK sends it: +100 forces a token, -100 bans one; an id
+    outside the vocabulary is a 400 naming the field, and the server keeps serving."""
+    from tests.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    client = sdk(server)
+    name = model(server)
+    b = str(tokenizer.convert_tokens_to_ids("B"))
+    forced = client.completions.create(model=name, prompt="Hello", max_tokens=6, temperature=0,
+                                       logit_bias={b: 100})
+    assert forced.choices[0].text == "B" * 6
+    plain = client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0)
+    (top,) = tokenizer.encode(plain.choices[0].text)  # one byte token
+    banned = client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0,
+                                       logit_bias={str(top): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+    chat = client.chat.completions.create(model=name, max_tokens=3, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          logit_bias={b: 100})
+    assert chat.choices[0].message.content == "BBB"
+    with pytest.raises(openai.BadRequestError, match="out of range") as err:
+        client.completions.create(model=name, prompt="Hello", max_tokens=1,
+                                  logit_bias={"999999": 5})
+    assert err.value.param == "logit_bias"
+    assert client.completions.create(model=name, prompt="Hi", max_tokens=1).choices

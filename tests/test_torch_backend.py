@@ -286,3 +286,21 @@ def test_math_partial_matches_the_cpu_kernel(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), out_m.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse, lse_m, rtol=tol, atol=tol)
+
+
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = torch.zeros(3, 1000)
+    logits[:, 7] = 5.0  # the greedy choice of every row without a bias
+    params = [SamplingParams(temperature=0, logit_bias={9: 100}),  # forced
+              SamplingParams(temperature=0, logit_bias={7: -100, 8: 4.9}),  # banned: 8 wins
+              SamplingParams(temperature=0)]
+    reqs = [Req(rid=str(i), token_ids=[1], num_prompt_tokens=1, params=p, max_new_tokens=4)
+            for i, p in enumerate(params)]
+    sampler = Sampler((0,), 0, torch.device("cpu"))
+    assert sampler.sample(logits, reqs).token_ids == [9, 8, 7]
+    assert logits[0, 9] == 0 and logits[1, 7] == 5  # the model's logits are not changed
+    # sampled (not greedy): a -100 bias removes a token whatever the draw
+    hot = [Req(rid="s", token_ids=[1], num_prompt_tokens=1, max_new_tokens=4,
+               params=SamplingParams(temperature=1.0, seed=s, logit_bias={7: -100}))
+           for s in range(20)]
+    assert 7 not in sampler.sample(logits[:1].expand(20, -1).contiguous(), hot).token_ids

@@ -1,4 +1,5 @@
-"""Turning logits into token ids: penalties, temperature, top-k/p, min-p, seeds, logprobs.
+"""Turning logits into token ids: logit bias, penalties, temperature, top-k/p, min-p, seeds,
+logprobs.
 
 Owns: the sampling math, vectorized over the batch (per-request Python work only for the
 requests that ask for penalties or a seed). Does not know: the model, the KV cache.
@@ -56,10 +57,15 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         params = [r.params for r in reqs]
-        if all(p.greedy and not p.needs_penalties and p.min_tokens == 0 for p in params):
+        if all(p.greedy and not p.needs_penalties and p.min_tokens == 0 and not p.logit_bias
+               for p in params):
             return _greedy(logits).tolist()
         logits = logits.clone()
         for i, r in enumerate(reqs):
+            if r.params.logit_bias:
+                ids, bias = zip(*r.params.bias_pairs, strict=True)
+                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype,
+                                                     device=logits.device)
             if r.params.needs_penalties:
                 self._apply_penalties(logits[i], r)
             if r.num_output_tokens < r.params.min_tokens and r.grammar is None:

@@ -23,6 +23,9 @@ def checked_max_new_tokens(prompt_ids: list[int], params: SamplingParams, vocab_
         raise InvalidRequestError("the prompt is empty", "prompt")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if params.bias_pairs and params.bias_pairs[-1][0] >= vocab_size:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size}), got "
+                                  f"{params.bias_pairs[-1][0]}", "logit_bias")
     max_new = params.max_tokens if params.max_tokens is not None else max_model_len - n
     if n + max(max_new, 1) > max_model_len:
         raise InvalidRequestError(

@@ -5,7 +5,7 @@ Owns: the field policy (so that nothing that would change the output is silently
 - IGNORED_FIELDS never change the generated tokens and are accepted and ignored:
   user, metadata, store, service_tier, parallel_tool_calls;
 - NEUTRAL_ONLY fields are accepted only at their no-op value (best_of 1, suffix "",
-  logit_bias {}, response_format {"type": "text"}, tools [], tool_choice "none", ...);
+  response_format {"type": "text"}, tools [], tool_choice "none", ...);
 - every other field is rejected with 400 naming it.
 Does not know: which fields a route supports (protocol.py says), HTTP, the engine.
 """
@@ -21,7 +21,6 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
 NEUTRAL_ONLY: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "logit_bias": lambda v: v in (None, {}),
     "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: v in (None, []),
     "tool_choice": lambda v: v in (None, "none"),

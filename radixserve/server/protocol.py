@@ -50,7 +50,7 @@ MAX_TIMEOUT_S = 86400.0
 _SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
-    "max_tokens", "max_completion_tokens",
+    "max_tokens", "max_completion_tokens", "logit_bias",
 })
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
                                      "timeout"}
@@ -138,7 +138,25 @@ def _parse_sampling(body: dict[str, Any], max_tokens: int | None, min_tokens: in
         kwargs["stop_token_ids"] = parse_token_ids(body["stop_token_ids"], "stop_token_ids")
     kwargs["ignore_eos"] = bool(get_bool(body, "ignore_eos"))
     kwargs["seed"] = get_int(body, "seed", INT64_MIN, INT64_MAX)
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _parse_logit_bias(body["logit_bias"])
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+
+def _parse_logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's shape: {"<token id>": bias}; JSON keys are strings. Ranges: SamplingParams."""
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad(f"'logit_bias' values must be numbers, got {bias!r}", "logit_bias")
+        out[tok] = float(bias)
+    return out
 
 
 def _parse_options(body: dict[str, Any], default_max_tokens: int | None,

@@ -70,6 +70,9 @@ def make_jobs(caps: JobCaps, prompts: Sequence[list[int]], opts: RequestOptions,
     """prompts x n choices; choice i of a seeded request samples with seed + i."""
     if opts.params.stop_token_ids:
         check_token_ids(opts.params.stop_token_ids, caps.vocab_size, "stop_token_ids")
+    if opts.params.logit_bias:
+        check_token_ids(tuple(t for t, _ in opts.params.bias_pairs), caps.vocab_size,
+                        "logit_bias")
     jobs: list[ChoiceJob] = []
     for p_idx, ids in enumerate(prompts):
         params = finalize_params(caps, opts.params, len(ids), param, limits)
