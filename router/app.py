@@ -253,6 +253,8 @@ def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None) -> web.A
     app.router.add_post("/v1/chat/completions", _proxied(RequestKind.CHAT))
     app.router.add_post("/generate", _proxied(RequestKind.GENERATE))
     app.router.add_get("/v1/models", _proxied(None))
+    app.router.add_post("/tokenize", _proxied(None))  # any replica: they share the tokenizer
+    app.router.add_post("/detokenize", _proxied(None))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/workers", _admin(list_workers))

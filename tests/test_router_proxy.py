@@ -198,3 +198,12 @@ async def test_replica_answering_503_is_retried_elsewhere_then_passed_through() 
         async with s.post(f"{c.url}/v1/completions", json={"prompt": "q"}) as resp:
             # Both answer 503 now: the replica's own 503 comes back, or the router's.
             assert resp.status == 503 and "error" in await resp.json()
+
+
+async def test_tokenize_is_forwarded_to_a_replica() -> None:
+    async with fake_cluster(FAST, replicas(2)) as c, aiohttp.ClientSession() as s:
+        async with s.post(f"{c.url}/tokenize", json={"prompt": "hello"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Fake-Replica"] in ("r0", "r1")
+            body = await resp.json()
+    assert body["count"] == len(body["tokens"]) > 0

@@ -25,6 +25,7 @@ from radixserve.server.kv_events_route import setup_kv_events
 from radixserve.server.routes_cache import add_cache_routes
 from radixserve.server.routes_native import add_native_routes
 from radixserve.server.routes_openai import add_openai_routes
+from radixserve.server.routes_tokenize import add_tokenize_routes
 from radixserve.server.state import CALLER_FIELD, STATE_KEY, ServerState
 from radixserve.server.stats_log import StatsLogger, log_capacity
 
@@ -110,6 +111,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     add_openai_routes(app)
     add_cache_routes(app)
     add_native_routes(app)
+    add_tokenize_routes(app)
     if cfg.engine.enable_kv_events:
         publisher = KVEventPublisher()
         client.cache_event_sinks.append(publisher.publish)

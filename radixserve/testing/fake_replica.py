@@ -94,6 +94,7 @@ class FakeReplica:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_post("/flush_cache", self._flush)
+        self.app.router.add_post("/tokenize", self._tokenize)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -152,6 +153,13 @@ class FakeReplica:
         raise ValueError("no prompt")
 
     # --- handlers ------------------------------------------------------------------------
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        ids = self.encoder.encode_prompt(body["prompt"])
+        return web.Response(body=orjson.dumps({"count": len(ids), "tokens": ids}),
+                            content_type="application/json",
+                            headers={"X-Fake-Replica": self.cfg.name})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         if not self.healthy:  # an engine that died: what the server answers then
