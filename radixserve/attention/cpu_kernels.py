@@ -1,6 +1,6 @@
 """Native CPU attention kernels: building and loading them, and their torch references.
 
-Owns: compiling csrc/paged_decode.cpp and csrc/prefill_attention.cpp into one extension with
+Owns: compiling csrc/paged_decode.cpp and csrc/prefill_attention*.cpp into one extension with
 torch's C++ extension loader (once per source version and machine, cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a first build takes ~1 min here), the
 resulting ops `torch.ops.radixserve.paged_decode` and `torch.ops.radixserve.prefill_attention`,
@@ -27,11 +27,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "prefill_attention.cpp")]
+           for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_bf16.cpp")]
 # The extension's name carries the source's version (a changed kernel gets a fresh build; torch
 # also rebuilds on a source hash change) and the CPU's flags: the build is -march=native, so
 # a cache directory shared with another kind of CPU must not hand it a binary it cannot run.
-EXT_BASE = "radixserve_cpu_attention_v11"
+EXT_BASE = "radixserve_cpu_attention_v12"
 # -ffast-math lets gcc vectorize the softmax's exp (glibc's libmvec). It is passed to the
 # compile step only: a link with it would add crtfastmath (flush-to-zero for the whole process).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

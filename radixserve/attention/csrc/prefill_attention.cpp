@@ -17,36 +17,15 @@
 // an online softmax. Key blocks entirely after the block's last query are never touched; only
 // the diagonal blocks look at the mask. Q.K^T is a broadcast-FMA over BK keys (Kt's rows are
 // contiguous in keys), P.V a broadcast-FMA over D, 4 rows at a time so gcc keeps the
-// accumulators in registers.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+// accumulators in registers. bf16 inputs on AVX512-BF16 CPUs take prefill_attention_bf16.cpp's
+// dot-product path instead (shared pieces: prefill_common.h).
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <utility>
-#include <vector>
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define RS_PREFILL_BF16_DOT 1
-#else
-#define RS_PREFILL_BF16_DOT 0
-#endif
+#include "prefill_common.h"
 
 namespace {
 
-// The machine is FMA-bound here (a 516-token prompt's attention is ~1.2M (query, key) pairs per
-// layer x 128 FMAs), so the block sizes are chosen to waste little on masked pairs: with
-// BK = BQ a diagonal block is half masked, and only the diagonal blocks are.
-constexpr int64_t BQ = 32;   // queries per task (per query head)
-constexpr int64_t BK = 32;   // keys per block on the diagonal (and the Q.K^T strip width)
-// Keys every query of the task sees (the prefix, earlier query blocks) go in blocks of BIG: one
-// softmax pass (max, rescale of o) per 128 keys instead of per 32.
-constexpr int64_t BIG = 128;
-constexpr int64_t RQK = 8;   // rows per micro-kernel: 8 x 32 accumulators = 16 zmm
-constexpr float NEG = -1e30f;  // "minus infinity": the file builds with -ffast-math
+using namespace radixserve_prefill;  // NOLINT: the kernels' shared vocabulary
 
 inline float to_f(float x) { return x; }
 inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
@@ -88,75 +67,6 @@ inline void pv_rows(const float* p, const float* v, float* o) {
     for (int64_t r = 0; r < RQK; ++r)
       for (int64_t e = 0; e < C; ++e) o[r * D + c + e] = acc[r][e];
   }
-}
-
-// Online softmax of one row's W scores s (its first `vis` keys visible) against the running
-// max m and sum l; writes the probabilities into s (zeros where masked) and returns the factor
-// for o. Fixed-size loops: no remainders. exp's argument is clamped at -80 (e^-80 ~ 2e-35,
-// nothing next to the row's max of 1): below the normal range the vector exp falls back to a
-// slow scalar path per lane.
-template <int64_t W>
-inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
-  float mx = m;
-#pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < W; ++j) mx = (j < vis && s[j] > mx) ? s[j] : mx;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < W; ++j) {
-    const float x = s[j] - mx;
-    const float e = std::exp(x > -80.f ? x : -80.f);
-    s[j] = j < vis ? e : 0.f;
-    sum += s[j];
-  }
-  const float dm = m - mx;
-  const float alpha = std::exp(dm > -80.f ? dm : -80.f);
-  l = l * alpha + sum;
-  m = mx;
-  return alpha;
-}
-
-struct Shape {
-  int64_t m, p, hq, hkv, g, lpad;
-  float scale;
-};
-
-// Where key / value row t (of the P + M keys, then padding) of KV head h lives: the prefix in
-// the pool through its slot, then the chunk's own k / v; nullptr for padding rows.
-template <typename T>
-struct KVRows {
-  const T *k, *v, *kc, *vc;
-  int64_t sk0, sk1, sv0, sv1, skc, svc;
-  const int32_t* slots;
-
-  static KVRows of(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
-                   const at::Tensor& vc, const at::Tensor& slots) {
-    auto p = [](const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); };
-    return {p(k), p(v), p(kc), p(vc), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            kc.stride(0), vc.stride(0), slots.data_ptr<int32_t>()};
-  }
-
-  std::pair<const T*, const T*> rows(int64_t t, int64_t h, int64_t d, const Shape& sh) const {
-    if (t < sh.p) return {kc + slots[t] * skc + h * d, vc + slots[t] * svc + h * d};
-    if (t < sh.p + sh.m) return {k + (t - sh.p) * sk0 + h * sk1, v + (t - sh.p) * sv0 + h * sv1};
-    return {nullptr, nullptr};
-  }
-};
-
-// Tasks: (KV head, query block of BQ), fn(h, q0, nq, work) each. A query block's cost grows
-// with its index (causal), and parallel_for hands each thread a contiguous range: the blocks
-// go in the order last, first, second to last, second, ... so that every range mixes long and
-// short ones. `work` is the thread's reusable scratch.
-template <typename F>
-void for_each_task(const Shape& sh, const F& fn) {
-  const int64_t nqb = (sh.m + BQ - 1) / BQ;
-  at::parallel_for(0, sh.hkv * nqb, 1, [&](int64_t tb, int64_t te) {
-    std::vector<float> work;
-    for (int64_t t = tb; t < te; ++t) {
-      const int64_t u = t / sh.hkv, h = t % sh.hkv;
-      const int64_t q0 = (u % 2 == 0 ? nqb - 1 - u / 2 : u / 2) * BQ;
-      fn(h, q0, std::min(BQ, sh.m - q0), work);
-    }
-  });
 }
 
 // One block of W keys from k0 for the task's rows: scores, online softmax, P.V into o.
@@ -258,163 +168,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
                       vf.data() + h * sh.lpad * D, sh, h, q0, nq, op, lp, work);
   });
 }
-
-#if RS_PREFILL_BF16_DOT
-// bf16 inputs on a CPU with AVX512-BF16: Q.K^T and P.V as vdpbf16ps (32 bf16 products into 16
-// fp32 lanes per instruction, twice the fp32 FMA's work), fp32 accumulation. Operands go in
-// pairs along the reduction: Q's rows as they are (a row's (d, d+1) values are one 32-bit
-// word, broadcast), K as Kp (Hkv, D/2, Lpad) words (key j's (d, d+1) at [d/2][j]), V as Vp
-// (Hkv, Lpad/2, D) words (keys (j, j+1)'s value e at [j/2][e]); P is rounded to bf16 after the
-// fp32 softmax (its row sums stay fp32), as flash attention does on GPUs. Q and K are used
-// exactly (bf16 already), the scale is applied to the fp32 scores.
-using word = uint32_t;
-
-template <int64_t D>
-void convert_kv_pairs(const KVRows<uint16_t>& src, const Shape& sh, word* kp, uint16_t* vp) {
-  at::parallel_for(0, sh.hkv, 1, [&](int64_t hb, int64_t he) {
-    for (int64_t h = hb; h < he; ++h) {
-      word* kh = kp + h * (D / 2) * sh.lpad;
-      uint16_t* vh = vp + h * sh.lpad * D;  // (Lpad/2, D, 2) halves
-      for (int64_t t = 0; t < sh.lpad; ++t) {
-        const auto [kr, vr] = src.rows(t, h, D, sh);
-        for (int64_t dp = 0; dp < D / 2; ++dp)
-          kh[dp * sh.lpad + t] = kr ? (word(kr[2 * dp]) | word(kr[2 * dp + 1]) << 16) : 0u;
-        uint16_t* vdst = vh + (t / 2) * D * 2 + t % 2;
-        for (int64_t e = 0; e < D; ++e) vdst[2 * e] = vr ? vr[e] : uint16_t(0);
-      }
-    }
-  });
-}
-
-// s[r][j] = scale * sum_d q[r][d] * k[j][d] for RQK rows and BK keys (two zmm of keys).
-template <int64_t D, int64_t W>
-inline void qk_rows_dot(const word* q, const word* kp, int64_t lk, float scale, float* s) {
-  __m512 acc[RQK][2];
-  for (int64_t r = 0; r < RQK; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t dp = 0; dp < D / 2; ++dp) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + dp * lk);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + dp * lk + 16);
-    for (int64_t r = 0; r < RQK; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * (D / 2) + dp]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, k1);
-    }
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < RQK; ++r) {
-    _mm512_storeu_ps(s + r * W, _mm512_mul_ps(acc[r][0], sc));
-    _mm512_storeu_ps(s + r * W + 16, _mm512_mul_ps(acc[r][1], sc));
-  }
-}
-
-// o[r][:] += sum_{j < W} p[r][j] * v[j][:] for RQK rows; p as bf16 rows of W (pairs = words).
-template <int64_t D, int64_t W>
-inline void pv_rows_dot(const word* p, const word* vp, float* o) {
-  for (int64_t c = 0; c < D; c += 32) {
-    __m512 acc[RQK][2];
-    for (int64_t r = 0; r < RQK; ++r) {
-      acc[r][0] = _mm512_loadu_ps(o + r * D + c);
-      acc[r][1] = _mm512_loadu_ps(o + r * D + c + 16);
-    }
-    for (int64_t jp = 0; jp < W / 2; ++jp) {
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + jp * D + c);
-      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + jp * D + c + 16);
-      for (int64_t r = 0; r < RQK; ++r) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * (W / 2) + jp]));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, v0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, v1);
-      }
-    }
-    for (int64_t r = 0; r < RQK; ++r) {
-      _mm512_storeu_ps(o + r * D + c, acc[r][0]);
-      _mm512_storeu_ps(o + r * D + c + 16, acc[r][1]);
-    }
-  }
-}
-
-template <int64_t D, int64_t W>
-void key_block_dot(const word* qb, const word* kp, const word* vp, const Shape& sh, int64_t q0,
-                   int64_t used, int64_t rows, int64_t k0, float* s, word* pb, float* o,
-                   float* mrow, float* lrow) {
-  const int64_t kn = std::min(W, sh.p + q0 + (used + sh.g - 1) / sh.g - k0);
-  for (int64_t r = 0; r < rows; r += RQK)
-    for (int64_t c = 0; c < W; c += BK)
-      qk_rows_dot<D, W>(qb + r * (D / 2), kp + k0 + c, sh.lpad, sh.scale, s + r * W + c);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t vis = r < used ? std::min(kn, sh.p + q0 + r / sh.g + 1 - k0) : 0;
-    float* sr = s + r * W;
-    if (vis <= 0) {
-      std::fill(sr, sr + W, 0.f);
-    } else {
-      const float alpha = softmax_row<W>(sr, vis, mrow[r], lrow[r]);
-      if (alpha != 1.f) {
-        float* orow = o + r * D;
-#pragma omp simd
-        for (int64_t e = 0; e < D; ++e) orow[e] *= alpha;
-      }
-    }
-    word* pr = pb + r * (W / 2);
-    for (int64_t j = 0; j < W; j += 32)  // 32 probabilities -> 32 bf16, in order
-      _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + j + 16),
-                                                                  _mm512_loadu_ps(sr + j)));
-  }
-  for (int64_t r = 0; r < rows; r += RQK)
-    pv_rows_dot<D, W>(pb + r * (W / 2), vp + (k0 / 2) * D, o + r * D);
-}
-
-template <int64_t D>
-void attend_task_dot(const uint16_t* q, int64_t sq0, int64_t sq1, const word* kp, const word* vp,
-                     const Shape& sh, int64_t h, int64_t q0, int64_t nq, uint16_t* out,
-                     float* lse, std::vector<float>& work) {
-  const int64_t used = nq * sh.g, rows = (used + RQK - 1) / RQK * RQK;
-  // floats: o (rows, D), s (rows, BIG), m, l; then words: q (rows, D/2), p (rows, BIG/2)
-  work.resize(rows * (D + BIG + 2) + rows * (D / 2 + BIG / 2));
-  float* o = work.data();
-  float* s = o + rows * D;
-  float* mrow = s + rows * BIG;
-  float* lrow = mrow + rows;
-  word* qb = reinterpret_cast<word*>(lrow + rows);
-  word* pb = qb + rows * (D / 2);
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(qb + r * (D / 2));
-    const uint16_t* src = r < used ? q + (q0 + r / sh.g) * sq0 + (h * sh.g + r % sh.g) * sq1
-                                   : nullptr;
-    for (int64_t e = 0; e < D; ++e) dst[e] = src ? src[e] : uint16_t(0);
-  }
-  std::fill(o, o + rows * D, 0.f);
-  std::fill(mrow, mrow + rows, NEG);
-  std::fill(lrow, lrow + rows, 0.f);
-  const int64_t full = sh.p + q0, kend = sh.p + q0 + nq;
-  int64_t k0 = 0;
-  for (; k0 + BIG <= full; k0 += BIG)
-    key_block_dot<D, BIG>(qb, kp, vp, sh, q0, used, rows, k0, s, pb, o, mrow, lrow);
-  for (; k0 < kend; k0 += BK)
-    key_block_dot<D, BK>(qb, kp, vp, sh, q0, used, rows, k0, s, pb, o, mrow, lrow);
-  for (int64_t r = 0; r < used; ++r) {
-    const int64_t i = r / sh.g, head = h * sh.g + r % sh.g;
-    const float inv = 1.f / lrow[r];
-    at::BFloat16* dst = reinterpret_cast<at::BFloat16*>(out) + ((q0 + i) * sh.hq + head) * D;
-    for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<at::BFloat16>(o[r * D + e] * inv);
-    lse[(q0 + i) * sh.hq + head] = mrow[r] + std::log(lrow[r]);
-  }
-}
-
-template <int64_t D>
-void run_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
-             const at::Tensor& vc, const at::Tensor& slots, const Shape& sh, at::Tensor& out,
-             at::Tensor& lse) {
-  std::vector<word> kp(sh.hkv * (D / 2) * sh.lpad), vp(sh.hkv * (sh.lpad / 2) * D);
-  convert_kv_pairs<D>(KVRows<uint16_t>::of(k, v, kc, vc, slots), sh, kp.data(),
-                      reinterpret_cast<uint16_t*>(vp.data()));
-  const uint16_t* qp = static_cast<const uint16_t*>(q.data_ptr());
-  uint16_t* op = static_cast<uint16_t*>(out.data_ptr());
-  float* lp = lse.data_ptr<float>();
-  for_each_task(sh, [&](int64_t h, int64_t q0, int64_t nq, std::vector<float>& work) {
-    attend_task_dot<D>(qp, q.stride(0), q.stride(1), kp.data() + h * (D / 2) * sh.lpad,
-                       vp.data() + h * (sh.lpad / 2) * D, sh, h, q0, nq, op, lp, work);
-  });
-}
-#endif
 
 template <int64_t D>
 void dispatch_dtype(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

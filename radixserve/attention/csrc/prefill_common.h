@@ -1,0 +1,124 @@
+// What the causal prefill kernels share (prefill_attention.cpp: the fp32-FMA path for float and
+// bf16 inputs, the op and its checks; prefill_attention_bf16.cpp: bf16 inputs as vdpbf16ps dot
+// products on AVX512-BF16 CPUs): block sizes, the problem's Shape, where a key / value row
+// lives (KVRows), the online softmax of one row and the task order.
+//
+// torch's extension loader hashes the sources, not this header: bump EXT_BASE in
+// attention/cpu_kernels.py when it changes.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define RS_PREFILL_BF16_DOT 1
+#else
+#define RS_PREFILL_BF16_DOT 0
+#endif
+
+namespace radixserve_prefill {
+
+// The machine is FMA-bound here (a 516-token prompt's attention is ~1.2M (query, key) pairs per
+// layer x 128 FMAs), so the block sizes are chosen to waste little on masked pairs: with
+// BK = BQ a diagonal block is half masked, and only the diagonal blocks are.
+constexpr int64_t BQ = 32;   // queries per task (per query head)
+constexpr int64_t BK = 32;   // keys per block on the diagonal (and the Q.K^T strip width)
+// Keys every query of the task sees (the prefix, earlier query blocks) go in blocks of BIG: one
+// softmax pass (max, rescale of o) per 128 keys instead of per 32.
+constexpr int64_t BIG = 128;
+constexpr int64_t RQK = 8;   // rows per micro-kernel: 8 x 32 accumulators = 16 zmm
+constexpr float NEG = -1e30f;  // "minus infinity": the file builds with -ffast-math
+
+// Online softmax of one row's W scores s (its first `vis` keys visible) against the running
+// max m and sum l; writes the probabilities into s (zeros where masked) and returns the factor
+// for o. Fixed-size loops: no remainders. exp's argument is clamped at -80 (e^-80 ~ 2e-35,
+// nothing next to the row's max of 1): below the normal range the vector exp falls back to a
+// slow scalar path per lane.
+template <int64_t W>
+inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
+  float mx = m;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < W; ++j) mx = (j < vis && s[j] > mx) ? s[j] : mx;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < W; ++j) {
+    const float x = s[j] - mx;
+    const float e = std::exp(x > -80.f ? x : -80.f);
+    s[j] = j < vis ? e : 0.f;
+    sum += s[j];
+  }
+  const float dm = m - mx;
+  const float alpha = std::exp(dm > -80.f ? dm : -80.f);
+  l = l * alpha + sum;
+  m = mx;
+  return alpha;
+}
+
+struct Shape {
+  int64_t m, p, hq, hkv, g, lpad;
+  float scale;
+};
+
+// Where key / value row t (of the P + M keys, then padding) of KV head h lives: the prefix in
+// the pool through its slot, then the chunk's own k / v; nullptr for padding rows.
+template <typename T>
+struct KVRows {
+  const T *k, *v, *kc, *vc;
+  int64_t sk0, sk1, sv0, sv1, skc, svc;
+  const int32_t* slots;
+
+  static KVRows of(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
+                   const at::Tensor& vc, const at::Tensor& slots) {
+    auto p = [](const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); };
+    return {p(k), p(v), p(kc), p(vc), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kc.stride(0), vc.stride(0), slots.data_ptr<int32_t>()};
+  }
+
+  std::pair<const T*, const T*> rows(int64_t t, int64_t h, int64_t d, const Shape& sh) const {
+    if (t < sh.p) return {kc + slots[t] * skc + h * d, vc + slots[t] * svc + h * d};
+    if (t < sh.p + sh.m) return {k + (t - sh.p) * sk0 + h * sk1, v + (t - sh.p) * sv0 + h * sv1};
+    return {nullptr, nullptr};
+  }
+};
+
+// Tasks: (KV head, query block of BQ), fn(h, q0, nq, work) each. A query block's cost grows
+// with its index (causal), and parallel_for hands each thread a contiguous range: the blocks
+// go in the order last, first, second to last, second, ... so that every range mixes long and
+// short ones. `work` is the thread's reusable scratch.
+template <typename F>
+void for_each_task(const Shape& sh, const F& fn) {
+  const int64_t nqb = (sh.m + BQ - 1) / BQ;
+  at::parallel_for(0, sh.hkv * nqb, 1, [&](int64_t tb, int64_t te) {
+    std::vector<float> work;
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t u = t / sh.hkv, h = t % sh.hkv;
+      const int64_t q0 = (u % 2 == 0 ? nqb - 1 - u / 2 : u / 2) * BQ;
+      fn(h, q0, std::min(BQ, sh.m - q0), work);
+    }
+  });
+}
+#if RS_PREFILL_BF16_DOT
+// prefill_attention_bf16.cpp (head dims 32, 64 and 128): out and lse as the op returns them.
+template <int64_t D>
+void run_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
+             const at::Tensor& vc, const at::Tensor& slots, const Shape& sh, at::Tensor& out,
+             at::Tensor& lse);
+extern template void run_dot<32>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const Shape&, at::Tensor&, at::Tensor&);
+extern template void run_dot<64>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const Shape&, at::Tensor&, at::Tensor&);
+extern template void run_dot<128>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const Shape&, at::Tensor&, at::Tensor&);
+#endif
+
+}  // namespace radixserve_prefill
