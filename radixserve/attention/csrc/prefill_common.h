@@ -16,8 +16,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define RS_PREFILL_BF16_DOT 1
 #else
 #define RS_PREFILL_BF16_DOT 0
@@ -36,13 +38,54 @@ constexpr int64_t BIG = 128;
 constexpr int64_t RQK = 8;   // rows per micro-kernel: 8 x 32 accumulators = 16 zmm
 constexpr float NEG = -1e30f;  // "minus infinity": the file builds with -ffast-math
 
+#if defined(__AVX512F__)
+// e^x for 16 lanes of x in [-80, 0] (the softmax's clamped arguments), inline: n = round(x /
+// ln 2), r = x - n ln 2 in two steps (ln 2's high part exact in 11 bits, so n * hi is exact),
+// e^r by a degree-7 polynomial on |r| <= ln 2 / 2 (Cephes' expf coefficients; ~1 ulp),
+// times 2^n by vscalefps. libmvec's vector expf is as accurate but a call per vector, with
+// range checks this kernel never needs.
+inline __m512 exp_ps(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 // Online softmax of one row's W scores s (its first `vis` keys visible) against the running
 // max m and sum l; writes the probabilities into s (zeros where masked) and returns the factor
 // for o. Fixed-size loops: no remainders. exp's argument is clamped at -80 (e^-80 ~ 2e-35,
-// nothing next to the row's max of 1): below the normal range the vector exp falls back to a
+// nothing next to the row's max of 1): below the normal range a vector exp falls back to a
 // slow scalar path per lane.
 template <int64_t W>
 inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
+#if defined(__AVX512F__)
+  static_assert(W % 16 == 0, "key blocks are whole vectors");
+  __m512 vmax = _mm512_set1_ps(m);
+  for (int64_t j = 0; j < W; j += 16) {
+    const __mmask16 seen = vis - j >= 16 ? 0xFFFF : vis > j ? (1u << (vis - j)) - 1 : 0;
+    vmax = _mm512_mask_max_ps(vmax, seen, vmax, _mm512_loadu_ps(s + j));
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const __m512 vmx = _mm512_set1_ps(mx), floor = _mm512_set1_ps(-80.f);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < W; j += 16) {
+    const __mmask16 seen = vis - j >= 16 ? 0xFFFF : vis > j ? (1u << (vis - j)) - 1 : 0;
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx), floor);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp_ps(x));
+    _mm512_storeu_ps(s + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+#else
   float mx = m;
 #pragma omp simd reduction(max : mx)
   for (int64_t j = 0; j < W; ++j) mx = (j < vis && s[j] > mx) ? s[j] : mx;
@@ -54,6 +97,7 @@ inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
     s[j] = j < vis ? e : 0.f;
     sum += s[j];
   }
+#endif
   const float dm = m - mx;
   const float alpha = std::exp(dm > -80.f ? dm : -80.f);
   l = l * alpha + sum;
