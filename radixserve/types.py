@@ -101,12 +101,18 @@ class SamplingParams:
     # -100 bans a token, +100 all but forces it). A {token_id: bias} mapping is accepted and
     # kept as ((token_id, bias), ...) sorted by id.
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    # Sequences per prompt (vLLM's offline n; the HTTP routes take OpenAI's `n` field instead):
+    # LLM.generate runs n requests, sequence i of a seeded one sampling with seed + i. The
+    # engine runs one sequence per request.
+    n: int = 1
 
     def __post_init__(self) -> None:
         def bad(msg: str, param: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param=param)
 
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            raise bad(f"n must be an integer in [1, 128], got {self.n!r}", "n")
 
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
             raise bad("temperature must be a finite number", "temperature")

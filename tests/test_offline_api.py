@@ -173,3 +173,30 @@ def test_offline_logit_bias_as_vllm_spells_it(tiny_llama: Path) -> None:
     assert SamplingParams(logit_bias={3: 1, 1: -2}) == \
         SamplingParams(logit_bias=((1, -2.0), (3, 1.0)))
     hash(SamplingParams(logit_bias={3: 1}))  # still a frozen, hashable value
+
+
+def test_offline_n_sequences_per_prompt(tiny_llama: Path) -> None:
+    """vLLM's SamplingParams(n=...): out.outputs holds n sequences; a seeded prompt's sequence
+    i samples with seed + i (as the server's choice i), so the call is reproducible."""
+    from radixserve import LLM, SamplingParams
+    from radixserve.types import InvalidRequestError
+
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    a, b = llm.generate([[5, 6, 7], [8, 9]], sp)
+    assert [o.index for o in a.outputs] == [0, 1, 2] and a.outputs[0] is a
+    assert all(len(o.token_ids) == 6 and o.prompt_token_ids == [5, 6, 7] for o in a.outputs)
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # three draws, not one thrice
+    again = llm.generate([[5, 6, 7]], sp)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in a.outputs]
+    # sequence i is what a single request with seed + i samples
+    one = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=6, max_tokens=6,
+                                                   ignore_eos=True))[0]
+    assert one.token_ids == a.outputs[1].token_ids
+    assert len(b.outputs) == 3 and b.outputs[2].text == llm.tokenizer.decode(
+        b.outputs[2].token_ids, skip_special_tokens=True)
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(n=2, temperature=0, max_tokens=4))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    for bad_n in (0, 129, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="n must be"):
+            SamplingParams(n=bad_n)  # type: ignore[arg-type]

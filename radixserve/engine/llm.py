@@ -29,7 +29,9 @@ FinishReasonName = Literal["stop", "length", "abort"]
 
 @dataclass
 class RequestOutput:
-    """One prompt's result. Field names follow vLLM (flattened: one sequence per prompt)."""
+    """One prompt's result. Field names follow vLLM's, flattened: the fields are those of the
+    prompt's first sequence, and `outputs` lists all of them (SamplingParams.n, each with the
+    same fields and its `index`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +46,9 @@ class RequestOutput:
     # LLM.chat(tools=...): the calls read from `text`, in OpenAI's wire shape ({"id", "type":
     # "function", "function": {"name", "arguments": JSON text}}); empty when it called none
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    index: int = 0  # which of the prompt's n sequences
+    # sequences 1..n-1 of the prompt (SamplingParams.n); this object is sequence 0
+    siblings: list[RequestOutput] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -51,8 +56,8 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[RequestOutput]:
-        """vLLM's `out.outputs[0].text` spelling: the one sequence of this prompt."""
-        return [self]
+        """vLLM's `out.outputs[i].text` spelling: the prompt's sequences, in order."""
+        return [self, *self.siblings]
 
 
 class LLM:
@@ -98,15 +103,22 @@ class LLM:
         for p in params_list:
             if p.constraint is not None:
                 check_constraint(p.constraint, "constraint")  # InvalidRequestError, as vLLM raises
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}  # every sequence, by engine request id
+        firsts: list[RequestOutput] = []  # sequence 0 of each prompt, in order
         try:
             for prompt, p, salt, prio in zip(prompt_list, params_list, salts, priorities,
                                              strict=True):
                 ids = (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str)
                        else [int(t) for t in prompt])
-                rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(GenerateMsg(rid, ids, p, salt, prio))
-                results[rid] = RequestOutput(rid, ids)
+                for i in range(p.n):  # the shared prompt is computed once (radix cache)
+                    rid = f"offline-{next(self._ids)}"
+                    self.engine.add_request(GenerateMsg(rid, ids, _sequence_params(p, i), salt,
+                                                        prio))
+                    out = results[rid] = RequestOutput(rid, ids, index=i)
+                    if i == 0:
+                        firsts.append(out)
+                    else:
+                        firsts[-1].siblings.append(out)
         except Exception:
             for rid in results:  # all or nothing: withdraw the prompts already queued
                 self.engine.abort(rid)
@@ -114,7 +126,7 @@ class LLM:
                 self.engine.step()
             raise
         self._run(results, use_tqdm)
-        return list(results.values())
+        return firsts
 
     def chat(
         self,
@@ -178,7 +190,7 @@ class LLM:
             params = [replace(p, constraint=calls) for p in plist]
         outs = self.generate(prompts, params, use_tqdm=use_tqdm)
         if spec is not None and spec.parses_calls:
-            for out in outs:
+            for out in (seq for o in outs for seq in o.outputs):
                 message, _ = tool_message(fmt, out.text)
                 out.tool_calls = list(message.get("tool_calls", []))
         return outs
@@ -212,6 +224,15 @@ class LLM:
         for res in results.values():
             text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             res.text = text if isinstance(text, str) else "".join(text)
+
+
+def _sequence_params(p: SamplingParams, i: int) -> SamplingParams:
+    """Sequence i of a prompt: one engine request; a seeded one samples with seed + i (as the
+    server's choice i of `n` does)."""
+    if p.n == 1:
+        return p
+    seed = None if p.seed is None else (p.seed + i + 2**63) % 2**64 - 2**63
+    return replace(p, n=1, seed=seed)
 
 
 def _one_of(sampling_params: Any, params: Any) -> Any:
