@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "bf16_access.h"
+#include "vec_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #define RS_DECODE_BF16_DOT 1
 #else
 #define RS_DECODE_BF16_DOT 0
@@ -90,15 +90,39 @@ void scores(const T* q, const T* k, const Geometry& g, const int32_t* slots, int
 }
 
 // Softmax of one head's scores in place (normalized: out needs no division); returns the lse.
+// exp's argument is clamped at -80 (e^-80 ~ 2e-35 next to the max's 1: nothing in fp32).
 inline float softmax(float* s, int64_t len) {
+#if defined(__AVX512F__)
+  // len >= 1 (checked); no infinities: this file builds with -ffast-math
+  auto tail = [len](int64_t t) -> __mmask16 {
+    return len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+  };
+  __m512 vmax = _mm512_set1_ps(s[0]);
+  for (int64_t t = 0; t < len; t += 16)
+    vmax = _mm512_mask_max_ps(vmax, tail(t), vmax, _mm512_maskz_loadu_ps(tail(t), s + t));
+  const float m = _mm512_reduce_max_ps(vmax);
+  const __m512 vm = _mm512_set1_ps(m), floor = _mm512_set1_ps(-80.f);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = tail(t);
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), vm), floor);
+    const __m512 e = _mm512_maskz_mov_ps(k, radixserve_vec::exp_ps(x));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+#else
   float m = s[0];  // len >= 1 (checked); no infinities: this file builds with -ffast-math
+#pragma omp simd reduction(max : m)
   for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    s[t] = std::exp(s[t] - m);
+    const float x = s[t] - m;
+    s[t] = std::exp(x > -80.f ? x : -80.f);
     sum += s[t];
   }
+#endif
   const float inv = 1.f / sum;
 #pragma omp simd
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;

@@ -16,9 +16,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define RS_PREFILL_BF16_DOT 1
 #else
@@ -26,6 +24,10 @@
 #endif
 
 namespace radixserve_prefill {
+
+#if defined(__AVX512F__)
+using radixserve_vec::exp_ps;
+#endif
 
 // The machine is FMA-bound here (a 516-token prompt's attention is ~1.2M (query, key) pairs per
 // layer x 128 FMAs), so the block sizes are chosen to waste little on masked pairs: with
@@ -37,28 +39,6 @@ constexpr int64_t BK = 32;   // keys per block on the diagonal (and the Q.K^T st
 constexpr int64_t BIG = 128;
 constexpr int64_t RQK = 8;   // rows per micro-kernel: 8 x 32 accumulators = 16 zmm
 constexpr float NEG = -1e30f;  // "minus infinity": the file builds with -ffast-math
-
-#if defined(__AVX512F__)
-// e^x for 16 lanes of x in [-80, 0] (the softmax's clamped arguments), inline: n = round(x /
-// ln 2), r = x - n ln 2 in two steps (ln 2's high part exact in 11 bits, so n * hi is exact),
-// e^r by a degree-7 polynomial on |r| <= ln 2 / 2 (Cephes' expf coefficients; ~1 ulp),
-// times 2^n by vscalefps. libmvec's vector expf is as accurate but a call per vector, with
-// range checks this kernel never needs.
-inline __m512 exp_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // Online softmax of one row's W scores s (its first `vis` keys visible) against the running
 // max m and sum l; writes the probabilities into s (zeros where masked) and returns the factor
