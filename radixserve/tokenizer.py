@@ -18,9 +18,11 @@ def load_tokenizer(hf_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(hf_dir))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Completions prompt: the tokenizer's own special-token handling (BOS where it has one)."""
-    return list(tokenizer.encode(text))
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str,
+                  add_special_tokens: bool = True) -> list[int]:
+    """Completions prompt: the tokenizer's own special-token handling (BOS where it has one),
+    unless `add_special_tokens` is false (/tokenize's option)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def render_chat(

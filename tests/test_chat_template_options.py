@@ -16,20 +16,15 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from radixserve import LLM, SamplingParams
-from radixserve.config import EngineConfig, ServerConfig
-from radixserve.ipc.client import EngineClient
 from radixserve.ipc.messages import GenerateMsg
-from radixserve.server.app import create_app
-from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from radixserve.types import InvalidRequestError, TemplateOptions
+from tests.test_tools_server import TOKENIZER
+from tests.test_tools_server import serve as serve_recording
 from tests.tiny_models import CHAT_TEMPLATE, make_tokenizer
-from tests.waiting import wait_until
 
-TOKENIZER = make_tokenizer()
-EOS = int(TOKENIZER.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
 # A template with a variable of its own, as Qwen3's enable_thinking.
 HINT_TEMPLATE = "{% if hint %}[hint: {{ hint }}]\n{% endif %}" + CHAT_TEMPLATE
 PARTIAL = [{"role": "user", "content": "Name a colour."},
@@ -48,26 +43,11 @@ def hint_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 Served = tuple[TestClient[Any, Any], list[GenerateMsg]]  # the client, the prompts given
 
 
-class RecordingEngine(FakeEngine):
-    def __init__(self, cfg: EngineConfig, seen: list[GenerateMsg]) -> None:
-        super().__init__(cfg, eos_token_ids=(EOS,))
-        self.seen = seen
-
-    def add_request(self, msg: GenerateMsg) -> None:
-        self.seen.append(msg)
-        super().add_request(msg)
-
-
 @contextlib.asynccontextmanager
 async def serve(model: Path) -> AsyncIterator[Served]:
-    cfg = ServerConfig(engine=EngineConfig(model=str(model), max_model_len=4096))
+    """test_tools_server's in-process server (fake engine, recording what it is given)."""
     seen: list[GenerateMsg] = []
-    transport = InlineTransport(lambda c: RecordingEngine(c, seen), cfg.engine, 0.0)
-    async with TestClient(TestServer(create_app(cfg, EngineClient(transport)))) as tc:
-        async def healthy() -> bool:
-            return (await tc.get("/health")).status == 200
-
-        await wait_until(healthy, what="a healthy server")
+    async with serve_recording(model, seen) as tc:
         yield tc, seen
 
 

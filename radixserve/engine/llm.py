@@ -19,6 +19,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.grammar.validate import check_constraint
 from radixserve.ipc.messages import GenerateMsg
+from radixserve.server.sizing import wrap_int64
 from radixserve.server.tool_stream import tool_message
 from radixserve.types import InvalidRequestError, SamplingParams, TemplateOptions, TokenLogprobs
 
@@ -231,8 +232,7 @@ def _sequence_params(p: SamplingParams, i: int) -> SamplingParams:
     server's choice i of `n` does)."""
     if p.n == 1:
         return p
-    seed = None if p.seed is None else (p.seed + i + 2**63) % 2**64 - 2**63
-    return replace(p, n=1, seed=seed)
+    return replace(p, n=1, seed=None if p.seed is None else wrap_int64(p.seed + i))
 
 
 def _one_of(sampling_params: Any, params: Any) -> Any:

@@ -35,6 +35,18 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:  # (B, vocab) -> (B,)
     return logits.max(dim=-1).indices
 
 
+def _add_logit_bias(logits: torch.Tensor, reqs: list[Req]) -> None:
+    """Every request's logit_bias in one scatter-add over (row, token) pairs; logits (B, V)."""
+    entries = [(i, tok, bias) for i, r in enumerate(reqs) for tok, bias in r.params.bias_pairs]
+    if not entries:
+        return
+    rows, toks, vals = zip(*entries, strict=True)
+    index = torch.tensor([rows, toks], dtype=torch.int64, device=logits.device)  # (2, E)
+    logits.index_put_((index[0], index[1]),
+                      torch.tensor(vals, dtype=logits.dtype, device=logits.device),
+                      accumulate=True)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...], seed: int, device: torch.device) -> None:
         self.eos_token_ids = eos_token_ids
@@ -61,11 +73,8 @@ class Sampler:
                for p in params):
             return _greedy(logits).tolist()
         logits = logits.clone()
+        _add_logit_bias(logits, reqs)
         for i, r in enumerate(reqs):
-            if r.params.logit_bias:
-                ids, bias = zip(*r.params.bias_pairs, strict=True)
-                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype,
-                                                     device=logits.device)
             if r.params.needs_penalties:
                 self._apply_penalties(logits[i], r)
             if r.num_output_tokens < r.params.min_tokens and r.grammar is None:

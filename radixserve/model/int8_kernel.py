@@ -31,7 +31,7 @@ import torch
 from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_packed_gemm.cpp"
-EXT_BASE = "radixserve_int8_gemm_v4"  # bump with the source: a fresh build, not a stale one
+EXT_BASE = "radixserve_int8_gemm_v5"  # bump with the source: a fresh build, not a stale one
 BLOCK = 16  # output channels per packed block
 
 # (x (M, K), packed weight, scale (N,), N) -> y (M, N)

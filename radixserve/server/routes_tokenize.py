@@ -16,7 +16,6 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.grammar.validate import check_constraint
 from radixserve.server.chat_messages import parse_messages, parse_template_options
 from radixserve.server.errors import json_response
 from radixserve.server.fields import bad, check_fields, check_token_ids, get_bool, parse_token_ids
@@ -42,8 +41,7 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad("'prompt' must be a string", "prompt")
-        ids = await state.encode(prompt) if special is not False else \
-            list(state.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = await state.encode(prompt, add_special_tokens=special is not False)
     else:
         check_fields(body, _CHAT_FIELDS)
         if special:
@@ -51,7 +49,7 @@ async def tokenize(request: web.Request) -> web.Response:
                       "writes its own special tokens)", "add_special_tokens")
         messages = parse_messages(body.get("messages"))
         template = parse_template_options(body, [m["role"] for m in messages])
-        ids = await state.encode_messages(messages, parse_tools(body, check_constraint),
+        ids = await state.encode_messages(messages, parse_tools(body, state.check_constraint),
                                           template)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len,
                            "tokens": ids, "token_strs": None}

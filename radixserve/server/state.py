@@ -55,10 +55,10 @@ def _load_tokenizer(path: Path) -> Any:
     return load_tokenizer(path)
 
 
-def _encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def _encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     from radixserve.tokenizer import encode_prompt  # already imported by _load_tokenizer
 
-    return encode_prompt(tokenizer, text)
+    return encode_prompt(tokenizer, text, add_special_tokens)
 
 
 def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
@@ -144,9 +144,10 @@ class ServerState:
             return result
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    async def encode(self, prompt: PromptInput) -> list[int]:
+    async def encode(self, prompt: PromptInput, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return await self._offload(len(prompt), _encode_prompt, self.tokenizer, prompt)
+            return await self._offload(len(prompt), _encode_prompt, self.tokenizer, prompt,
+                                       add_special_tokens)
         check_token_ids(prompt, self.vocab_size, "prompt")
         return list(prompt)
 

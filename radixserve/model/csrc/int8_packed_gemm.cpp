@@ -23,9 +23,9 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -146,12 +146,13 @@ const std::array<std::array<std::array<MicroFn, NR>, MR>, 3> kTables = {
 
 // x (M, K) -> (M, Kp) of wtype, zero padded; rows in parallel (large prefill chunks).
 template <typename T>
-std::vector<wtype> convert_x(const T* x, int64_t M, int64_t K, int64_t Kp) {
-  std::vector<wtype> out(static_cast<size_t>(M * Kp), wtype{});
+std::unique_ptr<wtype[]> convert_x(const T* x, int64_t M, int64_t K, int64_t Kp) {
+  std::unique_ptr<wtype[]> out(new wtype[static_cast<size_t>(M * Kp)]);  // written below
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      wtype* dst = out.data() + m * Kp;
+      wtype* dst = out.get() + m * Kp;
       const T* src = x + m * K;
+      if (Kp > K) dst[K] = wtype{};  // the pad column (odd K): its weights are zero too
       if constexpr (RS_PACKED_BF16 && std::is_same_v<T, at::BFloat16>) {
         std::memcpy(dst, src, static_cast<size_t>(K) * 2);
       } else {
@@ -186,16 +187,20 @@ at::Tensor int8_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const
   const at::Tensor xc = x.contiguous();
   at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return yf.to(x.scalar_type());
-  const std::vector<wtype> xw = x.scalar_type() == at::kFloat
-                                    ? convert_x(xc.data_ptr<float>(), M, K, Kp)
-                                    : convert_x(xc.data_ptr<at::BFloat16>(), M, K, Kp);
+  const std::unique_ptr<wtype[]> xw = x.scalar_type() == at::kFloat
+                                          ? convert_x(xc.data_ptr<float>(), M, K, Kp)
+                                          : convert_x(xc.data_ptr<at::BFloat16>(), M, K, Kp);
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   const int64_t pairs = Kp / 2, panels = (NB + NR - 1) / NR;
   const int64_t panel_bytes = pairs * 32 * NR;
+  // A widened panel is kept only for several row tiles (or the fp32 path, which always
+  // widens first); every element read is written by that panel's widening first.
+  const bool keeps_panel = !RS_PACKED_BF16 || M > MR;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<wtype> wbuf(static_cast<size_t>(Kp * NR * CB));
+    std::unique_ptr<wtype[]> wbuf(keeps_panel ? new wtype[static_cast<size_t>(Kp * NR * CB)]
+                                              : nullptr);
     // Rows in blocks of MB: a block of x stays in L2 while the task's panels pass over it;
     // each panel is widened again per block (amortized over MB rows).
     for (int64_t b0 = 0; b0 < M; b0 += MB) {
@@ -205,7 +210,7 @@ at::Tensor int8_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const
         const int nr = static_cast<int>(std::min<int64_t>(NR, NB - blk0));
         const int8_t* q = qp + blk0 * pairs * 32;
 #if !RS_PACKED_BF16
-        for (int c = 0; c < nr; ++c) widen_block(q + c * pairs * 32, pairs, wbuf.data() + c * CB);
+        for (int c = 0; c < nr; ++c) widen_block(q + c * pairs * 32, pairs, wbuf.get() + c * CB);
 #endif
         const int64_t n0 = blk0 * CB;
         const int valid = static_cast<int>(std::min<int64_t>(CB, N - (blk0 + nr - 1) * CB));
@@ -216,7 +221,7 @@ at::Tensor int8_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const
           const int mr = static_cast<int>(std::min<int64_t>(MR, b1 - m0));
           const int mode = !RS_PACKED_BF16 || m0 > b0 ? kRead : m0 + MR < b1 ? kWidenStore
                                                                              : kWiden;
-          kTables[mode][mr - 1][nr - 1](xw.data() + m0 * Kp, wbuf.data(), q, Kp, sp + n0,
+          kTables[mode][mr - 1][nr - 1](xw.get() + m0 * Kp, wbuf.get(), q, Kp, sp + n0,
                                         yp + m0 * N + n0, N, valid, q + panel_bytes,
                                         m0 == b0 ? pf_bytes : 0);
         }
