@@ -41,7 +41,8 @@ def make_inputs(lens: list[int], starts: list[int], hq: int, hkv: int, d: int,
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24)])
+@pytest.mark.parametrize(("hq", "hkv", "d"),
+                         [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 24), (32, 8, 128), (28, 4, 128)])
 def test_kernel_matches_reference(dtype: torch.dtype, tol: float, hq: int, hkv: int,
                                   d: int) -> None:
     lens, starts = [1, 2, 17, 300, 541, 64], [0, 1, 0, 64, 0, 63]
