@@ -251,6 +251,7 @@ def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None) -> web.A
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", _proxied(RequestKind.COMPLETIONS))
     app.router.add_post("/v1/chat/completions", _proxied(RequestKind.CHAT))
+    app.router.add_post("/v1/responses", _proxied(RequestKind.RESPONSES))
     app.router.add_post("/generate", _proxied(RequestKind.GENERATE))
     app.router.add_get("/v1/models", _proxied(None))
     app.router.add_post("/tokenize", _proxied(None))  # any replica: they share the tokenizer

@@ -10,6 +10,8 @@ Approximate keys (router-internal, never compared with a replica):
   - text (`prompt: str`, `text`): chained hashes of its UTF-8 bytes in `block_chars` blocks
   - chat: chained hashes of orjson([[role, content], ...]) over the WHOLE message list (keys
     sorted), so turn n+1 of a conversation extends turn n's bytes and matches its blocks.
+    A Responses API request (`input` items, `instructions`) is keyed by the chat messages it
+    amounts to (radixserve.server.responses_protocol), as the replica renders it.
 Precise keys: `block_hashes(token ids, kv_block_size, salt)`, the replica's own chain. A
 request with a Bearer key gets two chains, salted and unsalted: a replica with auth on salts
 by the key (and holds no unsalted blocks), one with auth off or --shared-cache salts nothing
@@ -28,11 +30,14 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 
 from radixserve.kv_events import block_hashes, cache_salt_for_api_key, chained_hashes
+from radixserve.server.responses_protocol import input_messages
+from radixserve.types import InvalidRequestError
 
 
 class RequestKind(enum.Enum):
     COMPLETIONS = "completions"
     CHAT = "chat"
+    RESPONSES = "responses"  # OpenAI's Responses API: routed as the chat it amounts to
     GENERATE = "generate"
 
 
@@ -99,6 +104,11 @@ def extract_prompt(kind: RequestKind, body: Any) -> Prompt:
     """The prompt to route by; a list of prompts routes by its first one."""
     if not isinstance(body, dict):
         return Prompt()
+    if kind is RequestKind.RESPONSES:
+        try:
+            return Prompt(messages=input_messages(body.get("input"), body.get("instructions")))
+        except InvalidRequestError:  # the replica answers it with its 400
+            return Prompt()
     if kind is RequestKind.CHAT:
         messages = body.get("messages")
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):

@@ -29,6 +29,7 @@ from router.policy import (
 )
 from router.prefix_index import ApproxPrefixIndex
 from router.route_key import (
+    Prompt,
     RequestKind,
     RouteKey,
     approx_hashes,
@@ -149,6 +150,21 @@ def test_extract_prompt_shapes() -> None:
     chat = extract_prompt(RequestKind.CHAT, {"messages": [{"role": "user", "content": "x"}],
                                              "add_generation_prompt": False})
     assert chat.messages is not None and chat.add_generation_prompt is False
+
+
+def test_responses_request_is_keyed_as_its_chat() -> None:
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    resp = extract_prompt(RequestKind.RESPONSES, {"input": items, "instructions": "Rules."})
+    chat = extract_prompt(RequestKind.CHAT, {"messages": [
+        {"role": "system", "content": "Rules."}, {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"}]})
+    assert resp == chat and resp.messages is not None
+    assert approx_hashes(resp, "", 64, 16) == approx_hashes(chat, "", 64, 16)
+    text = extract_prompt(RequestKind.RESPONSES, {"input": "hello"})
+    assert text.messages == [{"role": "user", "content": "hello"}]
+    for bad in ({"input": []}, {"input": [{"type": "item_reference", "id": "x"}]}, {}, None):
+        assert extract_prompt(RequestKind.RESPONSES, bad) == Prompt()  # the replica's 400
 
 
 def test_chat_key_covers_whole_conversation() -> None:

@@ -29,7 +29,7 @@ KEY = "sk-fuzz-7f3a9c1e5b2d4f60"
 SECRET = "SECRET-PROMPT-zq81vx"  # sent inside prompts; must never reach the server's output
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate", "/flush_cache", "/v1/models",
           "/health", "/metrics", "/server_info", "/version", "/kv_events", "/nope", "/tokenize",
-          "/detokenize"]
+          "/detokenize", "/v1/responses"]
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "min_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
           "top_logprobs", "echo", "stop_token_ids", "timeout", "text", "input_ids",
@@ -37,11 +37,16 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperat
           "repetition_penalty", "min_tokens", "ignore_eos", "response_format", "logit_bias",
           "user", "best_of", "suffix", "role", "content", "tokens", "add_special_tokens",
           "return_token_strs", "add_generation_prompt", "continue_final_message",
-          "chat_template_kwargs"]
+          "chat_template_kwargs", "input", "instructions", "max_output_tokens", "tools",
+          "tool_choice", "previous_response_id", "reasoning", "include", "store", "metadata"]
 EDGE_VALUES = [0, -1, 1, 2**31, 2**63, 2**64, 10**30, -(10**30), 1e308, -1e308, 1e-300, 0.5,
                "", "\x00", "🎉" * 3, "é", [], {}, [[]], [-1], [10**9], [0, 1, 2], [""],
                {"role": "user", "content": "hi"}, [{"role": "user", "content": "hi"}],
-               [{"role": "tool", "content": 1}], {"include_usage": True}, True, False, None]
+               [{"role": "tool", "content": 1}], {"include_usage": True}, True, False, None,
+               [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}],
+               [{"type": "function_call_output", "call_id": "c", "output": ["x"]}],
+               {"format": {"type": "json_schema", "name": "n", "schema": {"type": "objct"}}},
+               [{"type": "function", "name": "f", "parameters": {"type": 3}}]]
 
 leaves = (st.none() | st.booleans() | st.integers(-(2**80), 2**80)
           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))

@@ -210,3 +210,24 @@ def test_readme_agents_example_runs_as_written(client: openai.OpenAI) -> None:
     assert isinstance(json.loads(scope["call"].function.arguments)["city"], str)
     assert scope["final"].usage.prompt_tokens_details.cached_tokens > 0
     jsonschema.validate(json.loads(scope["r"].choices[0].message.content), scope["person"])
+
+
+def test_readme_responses_example_runs_as_written(client: openai.OpenAI) -> None:
+    """README's Responses API example: a call through /v1/responses, its output items passed
+    back as input with the result, a final answer from the cache, and a schema-valid JSON."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### The Responses API", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://127.0.0.1:30000/v1"' in code
+    code = code.replace("http://127.0.0.1:30000/v1", str(client.base_url))
+    scope: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    call = scope["call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), scope["tools"][0]["parameters"])
+    final = scope["final"]
+    assert final.status in ("completed", "incomplete") and final.output_text.strip()
+    assert not [item for item in final.output if item.type == "function_call"]
+    assert final.usage.input_tokens_details.cached_tokens > 0  # the history was cached
+    assert scope["r"].status == "completed"
+    jsonschema.validate(json.loads(scope["r"].output_text), scope["person"])

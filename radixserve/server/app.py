@@ -25,6 +25,7 @@ from radixserve.server.kv_events_route import setup_kv_events
 from radixserve.server.routes_cache import add_cache_routes
 from radixserve.server.routes_native import add_native_routes
 from radixserve.server.routes_openai import add_openai_routes
+from radixserve.server.routes_responses import add_responses_routes
 from radixserve.server.routes_tokenize import add_tokenize_routes
 from radixserve.server.state import CALLER_FIELD, STATE_KEY, ServerState
 from radixserve.server.stats_log import StatsLogger, log_capacity
@@ -109,6 +110,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     app[SEND_TIMEOUT_KEY] = cfg.send_timeout
     app.on_response_prepare.append(_rate_limit_headers)
     add_openai_routes(app)
+    add_responses_routes(app)
     add_cache_routes(app)
     add_native_routes(app)
     add_tokenize_routes(app)

@@ -1,4 +1,5 @@
-"""Server-Sent Events responses: `data: {json}\\n\\n` per event, `data: [DONE]` last.
+"""Server-Sent Events responses: `data: {json}\\n\\n` per event, `data: [DONE]` last; or, for
+the Responses API (`named`), `event: <type>\\ndata: {json}\\n\\n` per typed event, no [DONE].
 
 Owns: when headers go out (only after the first event, so a request the engine rejects still
 gets a real 4xx status), and how an error after that point is reported (an error event, then
@@ -25,14 +26,16 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
+def sse_event(data: Any, named: bool = False) -> bytes:
+    body = b"data: " + orjson.dumps(data) + b"\n\n"
+    return b"event: " + data["type"].encode() + b"\n" + body if named else body
 
 
-async def write_sse(request: web.Request,
-                    events: AsyncGenerator[Any, None]) -> web.StreamResponse:
+async def write_sse(request: web.Request, events: AsyncGenerator[Any, None],
+                    named: bool = False) -> web.StreamResponse:
     """Stream `events`; an exception before the first one propagates (the error middleware
-    turns it into a JSON error response). Closing the events on exit aborts the engine work."""
+    turns it into a JSON error response). Closing the events on exit aborts the engine work.
+    `named`: each event is a dict with a "type", sent as the SSE event name too."""
     async with aclosing(events) as stream:
         iterator = stream.__aiter__()
         try:
@@ -43,9 +46,9 @@ async def write_sse(request: web.Request,
         await resp.prepare(request)
         try:
             if first is not None:
-                await send_within(request, resp, sse_event(first))
+                await send_within(request, resp, sse_event(first, named))
             async for event in iterator:
-                await send_within(request, resp, sse_event(event))
+                await send_within(request, resp, sse_event(event, named))
         except ConnectionResetError:
             # The client is gone (or was dropped for not reading): leaving `aclosing` aborts
             # the engine work. Returned, not raised: aiohttp would log a raised one as an
@@ -56,7 +59,11 @@ async def write_sse(request: web.Request,
             if api_err is None:  # a bug: the status line is out, so report it in-band
                 logger.exception("internal error while streaming %s", request.path)
                 api_err = APIError(500, f"internal server error ({type(exc).__name__})")
-            await resp.write(sse_event(api_err.body))
-        await resp.write(DONE)
+            if named:
+                await resp.write(sse_event({"type": "error", **api_err.body["error"]}, named))
+            else:
+                await resp.write(sse_event(api_err.body))
+        if not named:
+            await resp.write(DONE)
         await resp.write_eof()
         return resp

@@ -1,0 +1,255 @@
+"""POST /v1/responses: the OpenAI Responses API (what the OpenAI Agents SDK calls by default).
+
+Owns: the Response object (output items: an assistant `message` holding one `output_text`
+part, then a `function_call` item per parsed tool call; status completed, or incomplete at
+max_output_tokens), its usage shape, and the typed stream events (`response.created` ...
+`response.completed`, numbered by sequence_number, each as `event: <type>` + `data:`).
+A request is turned into a chat request by responses_protocol.py and runs exactly as
+/v1/chat/completions runs it: the same template, tool grammar and call parser, and
+response_format constraint; nothing is stored (`store` is echoed as false).
+Does not know: the engine, how tokens are produced (ServerState, generation.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.server.errors import json_response
+from radixserve.server.generation import ChoiceChunk, ChoiceJob
+from radixserve.server.protocol import parse_chat
+from radixserve.server.responses_protocol import ResponsesEcho, to_chat_body
+from radixserve.server.routes_openai import Usage
+from radixserve.server.sse import write_sse
+from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, read_json
+from radixserve.server.tool_parsers import CallFormat
+from radixserve.server.tool_stream import ChatToolStream, tool_message
+from radixserve.types import SamplingParams
+
+LENGTH = "length"
+
+
+def _status(finish: str | None, called: bool) -> str:
+    """As chat's finish_reason "tool_calls": a response that made calls is complete."""
+    return "incomplete" if finish == LENGTH and not called else "completed"
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    chat = usage.body()
+    return {"input_tokens": chat["prompt_tokens"],
+            "input_tokens_details": chat["prompt_tokens_details"],
+            "output_tokens": chat["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat["total_tokens"]}
+
+
+def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status,
+            "role": "assistant", "content": parts if status != "in_progress" else []}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str,
+              item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}",
+            "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+
+
+class ResponseObject:
+    """One response's id, creation time and echoed settings; `body` is the Response JSON."""
+
+    def __init__(self, model: str, echo: ResponsesEcho, params: SamplingParams) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model, self.echo, self.params = model, echo, params
+
+    def body(self, status: str, output: list[dict[str, Any]],
+             usage: dict[str, Any] | None) -> dict[str, Any]:
+        e = self.echo
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": None, "incomplete_details": incomplete, "instructions": e.instructions,
+            "max_output_tokens": e.max_output_tokens, "model": self.model, "output": output,
+            "parallel_tool_calls": e.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "text": e.text, "tool_choice": e.tool_choice, "tools": e.tools,
+            "truncation": "disabled", "usage": usage, "user": e.user, "metadata": e.metadata,
+        }
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    state.ensure_ready()
+    arrival = time.perf_counter()
+    chat_body, echo = to_chat_body(await read_json(request))
+    req = parse_chat(chat_body, state.call_format.name, state.check_constraint)
+    state.check_model(req.opts.model)
+    prompt = await state.encode_messages(req.messages, req.tools, req.template)
+    request[PREVIEW_FIELD] = req.messages[-1]["content"]
+    jobs = state.caller_jobs(request, [prompt], req.opts, "input")
+    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
+    response = ResponseObject(state.model_name, echo, jobs[0].params)
+    with state.admit(request, jobs) as ticket:
+        chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
+        if req.opts.stream:
+            return await write_sse(request, _events(response, jobs, chunks, calls), named=True)
+        return json_response(await _collect(response, jobs, chunks, calls))
+
+
+async def _collect(response: ResponseObject, jobs: list[ChoiceJob],
+                   chunks: AsyncGenerator[ChoiceChunk, None],
+                   calls: CallFormat | None) -> dict[str, Any]:
+    texts: list[str] = []
+    finish: str | None = None
+    usage = Usage(jobs)
+    async with aclosing(chunks) as stream:
+        async for c in stream:
+            usage.add(c)
+            texts.append(c.text)
+            finish = c.finish_reason or finish
+    message: dict[str, Any] = {"content": "".join(texts)}
+    called = False
+    if calls is not None:
+        message, called = tool_message(calls, message["content"])
+    status = _status(finish, called)
+    output = []
+    tool_calls = message.get("tool_calls") or []
+    if message["content"] or not tool_calls:
+        output.append(message_item(message["content"], status))
+    output += [call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"],
+                         "completed") for tc in tool_calls]
+    return response.body(status, output, _usage(usage))
+
+
+class _EventStream:
+    """The typed events of one streamed response: items opened as their first text or call
+    delta arrives, each closed (its `.done` events) before the next one opens."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+        self.output: list[dict[str, Any]] = []  # finished items, in output_index order
+        self._open: dict[str, Any] | None = None  # the item being streamed
+        self._text = ""  # its text, or its arguments so far
+        self.called = False  # a function_call item was opened
+
+    @property
+    def empty(self) -> bool:
+        return not self.output and self._open is None
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": next(self._seq), **fields}
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": len(self.output)}
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        out = []
+        if self._open is None or self._open["type"] != "message":
+            out += self.close()
+            self._open, self._text = message_item("", "in_progress"), ""
+            out.append(self.event("response.output_item.added", output_index=len(self.output),
+                                  item=self._open))
+            out.append(self.event("response.content_part.added", **self._where(),
+                                  content_index=0, part=_text_part("")))
+        if delta:
+            self._text += delta
+            out.append(self.event("response.output_text.delta", **self._where(),
+                                  content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def call(self, wire: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        args = wire["function"].get("arguments", "")
+        if "id" in wire:  # a new call: its name and id come first
+            out += self.close()
+            self.called = True
+            self._open = call_item(wire["id"], wire["function"]["name"], "", "in_progress")
+            self._text = ""
+            out.append(self.event("response.output_item.added", output_index=len(self.output),
+                                  item=self._open))
+        if args:
+            self._text += args
+            out.append(self.event("response.function_call_arguments.delta", **self._where(),
+                                  delta=args))
+        return out
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        out = []
+        where = self._where()
+        if item["type"] == "message":
+            part = _text_part(self._text)
+            out.append(self.event("response.output_text.done", **where, content_index=0,
+                                  text=self._text, logprobs=[]))
+            out.append(self.event("response.content_part.done", **where, content_index=0,
+                                  part=part))
+            done = message_item(self._text, status, item["id"])
+        else:
+            out.append(self.event("response.function_call_arguments.done", **where,
+                                  arguments=self._text))
+            done = call_item(item["call_id"], item["name"], self._text, "completed", item["id"])
+        out.append(self.event("response.output_item.done", output_index=where["output_index"],
+                              item=done))
+        self.output.append(done)
+        self._open = None
+        return out
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _opening(out: _EventStream, response: ResponseObject) -> list[dict[str, Any]]:
+    return [out.event(kind, response=response.body("in_progress", [], None))
+            for kind in ("response.created", "response.in_progress")]
+
+
+async def _events(response: ResponseObject, jobs: list[ChoiceJob],
+                  chunks: AsyncGenerator[ChoiceChunk, None],
+                  calls: CallFormat | None) -> AsyncGenerator[dict[str, Any], None]:
+    out = _EventStream()
+    usage = Usage(jobs)
+    tools = ChatToolStream(calls) if calls else None
+    finish: str | None = None
+    started = False
+    async with aclosing(chunks) as stream:
+        async for c in stream:
+            if not started:  # after the first output: a request the engine rejects is a 4xx
+                started = True
+                for event in _opening(out, response):
+                    yield event
+            usage.add(c)
+            finish = c.finish_reason or finish
+            final = c.finish_reason is not None
+            deltas: list[dict[str, Any]] = (tools.deltas(c.text, final) if tools
+                                             else [{"content": c.text}])
+            for delta in deltas:
+                events = (out.text(delta["content"]) if delta.get("content")
+                          else [e for w in delta.get("tool_calls", []) for e in out.call(w)])
+                for event in events:
+                    yield event
+    for event in [] if started else _opening(out, response):
+        yield event
+    status = _status(finish, out.called)
+    if out.empty:  # nothing was generated: still one (empty) message
+        for event in out.text(""):
+            yield event
+    for event in out.close(status):
+        yield event
+    yield out.event(f"response.{status}", response=response.body(status, out.output,
+                                                                 _usage(usage)))
+
+
+def add_responses_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/responses", responses)
