@@ -231,3 +231,40 @@ def test_readme_responses_example_runs_as_written(client: openai.OpenAI) -> None
     assert final.usage.input_tokens_details.cached_tokens > 0  # the history was cached
     assert scope["r"].status == "completed"
     jsonschema.validate(json.loads(scope["r"].output_text), scope["person"])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_openai_agents_sdk_runs_a_tool_loop(client: openai.OpenAI, streamed: bool) -> None:
+    """The OpenAI Agents SDK (its default model class calls /v1/responses): the model calls
+    the tool, the SDK runs it and sends the result back, the model answers."""
+    import agents  # openai-agents, a test dependency (pyproject.toml)
+
+    agents.set_tracing_disabled(True)  # no export to OpenAI's tracing service
+    seen: list[str] = []
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        seen.append(city)
+        return json.dumps({"city": city, "temperature": 21, "sky": "sunny"})
+
+    sdk = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="weather", instructions="Answer weather questions with the tool.",
+        tools=[agents.function_tool(get_weather)],
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=sdk),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=80, tool_choice="required",
+                                            parallel_tool_calls=False),
+        reset_tool_choice=True)  # after the call, the model may answer in text
+    question = "What is the weather like in Paris?"
+    if streamed:
+        run = agents.Runner.run_streamed(agent, question, max_turns=4)
+        kinds = [e.type async for e in run.stream_events()]
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+        result: Any = run
+    else:
+        result = await agents.Runner.run(agent, question, max_turns=4)
+    await sdk.close()
+    items = [type(item).__name__ for item in result.new_items]
+    assert items == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert seen == ["Paris"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
