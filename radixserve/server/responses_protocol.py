@@ -71,20 +71,20 @@ def _neutral(body: dict[str, Any]) -> None:
 
 
 def _content_text(content: Any, where: str) -> str:
+    """A string, or a list of text parts joined by newlines; `where` names the field."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad(f"'{where}.content' must be a string or a list of content parts",
-                  f"{where}.content")
+        raise bad(f"'{where}' must be a string or a list of content parts", where)
     texts = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
-            raise bad(f"'{where}.content[{k}]': only text parts ({sorted(_TEXT_PARTS)}) are "
-                      f"supported, got {kind!r}", f"{where}.content[{k}]")
+            raise bad(f"'{where}[{k}]': only text parts ({sorted(_TEXT_PARTS)}) are "
+                      f"supported, got {kind!r}", f"{where}[{k}]")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
-            raise bad(f"'{where}.content[{k}].text' must be a string", f"{where}.content[{k}]")
+            raise bad(f"'{where}[{k}].text' must be a string", f"{where}[{k}]")
         texts.append(text)
     return "\n".join(texts)
 
@@ -122,7 +122,8 @@ def input_messages(value: Any, instructions: str | None) -> list[dict[str, Any]]
                 raise bad(f"'{where}.role' must be user, system, developer or assistant, got "
                           f"{role!r}", f"{where}.role")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _content_text(item.get("content"), where)})
+                             "content": _content_text(item.get("content"),
+                                                      f"{where}.content")})
         elif kind == "function_call":
             call = _function_call(item, where)
             last = messages[-1] if messages else None
@@ -135,7 +136,7 @@ def input_messages(value: Any, instructions: str | None) -> list[dict[str, Any]]
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise bad(f"'{where}.call_id' must be a non-empty string", f"{where}.call_id")
             output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, where)
+            text = _content_text(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         else:
             raise bad(f"'{where}.type' {kind!r} is not supported (message, function_call and "
