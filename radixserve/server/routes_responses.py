@@ -12,6 +12,7 @@ Does not know: the engine, how tokens are produced (ServerState, generation.py).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 import uuid
@@ -35,9 +36,17 @@ from radixserve.types import SamplingParams
 LENGTH = "length"
 
 
-def _status(finish: str | None, called: bool) -> str:
+class Status(str, enum.Enum):
+    """A Response's (and an output item's) status, as OpenAI spells it."""
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"  # max_output_tokens cut it
+
+
+def _status(finish: str | None, called: bool) -> Status:
     """As chat's finish_reason "tool_calls": a response that made calls is complete."""
-    return "incomplete" if finish == LENGTH and not called else "completed"
+    return Status.INCOMPLETE if finish == LENGTH and not called else Status.COMPLETED
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -49,16 +58,20 @@ def _usage(usage: Usage) -> dict[str, Any]:
             "total_tokens": chat["total_tokens"]}
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
-    parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status,
-            "role": "assistant", "content": parts if status != "in_progress" else []}
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str,
+def message_item(text: str, status: Status, item_id: str | None = None) -> dict[str, Any]:
+    parts = [] if status is Status.IN_PROGRESS else [_text_part(text)]
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}",
+            "status": status.value, "role": "assistant", "content": parts}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: Status,
               item_id: str | None = None) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}",
-            "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+            "call_id": call_id, "name": name, "arguments": arguments, "status": status.value}
 
 
 class ResponseObject:
@@ -69,12 +82,13 @@ class ResponseObject:
         self.created = int(time.time())
         self.model, self.echo, self.params = model, echo, params
 
-    def body(self, status: str, output: list[dict[str, Any]],
+    def body(self, status: Status, output: list[dict[str, Any]],
              usage: dict[str, Any] | None) -> dict[str, Any]:
         e = self.echo
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        incomplete = {"reason": "max_output_tokens"} if status is Status.INCOMPLETE else None
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "id": self.id, "object": "response", "created_at": self.created,
+            "status": status.value,
             "error": None, "incomplete_details": incomplete, "instructions": e.instructions,
             "max_output_tokens": e.max_output_tokens, "model": self.model, "output": output,
             "parallel_tool_calls": e.parallel_tool_calls, "previous_response_id": None,
@@ -125,7 +139,7 @@ async def _collect(response: ResponseObject, jobs: list[ChoiceJob],
     if message["content"] or not tool_calls:
         output.append(message_item(message["content"], status))
     output += [call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"],
-                         "completed") for tc in tool_calls]
+                         Status.COMPLETED) for tc in tool_calls]
     return response.body(status, output, _usage(usage))
 
 
@@ -155,7 +169,7 @@ class _EventStream:
         out = []
         if self._open is None or self._open["type"] != "message":
             out += self.close()
-            self._open, self._text = message_item("", "in_progress"), ""
+            self._open, self._text = message_item("", Status.IN_PROGRESS), ""
             out.append(self.event("response.output_item.added", output_index=len(self.output),
                                   item=self._open))
             out.append(self.event("response.content_part.added", **self._where(),
@@ -172,7 +186,7 @@ class _EventStream:
         if "id" in wire:  # a new call: its name and id come first
             out += self.close()
             self.called = True
-            self._open = call_item(wire["id"], wire["function"]["name"], "", "in_progress")
+            self._open = call_item(wire["id"], wire["function"]["name"], "", Status.IN_PROGRESS)
             self._text = ""
             out.append(self.event("response.output_item.added", output_index=len(self.output),
                                   item=self._open))
@@ -182,7 +196,7 @@ class _EventStream:
                                   delta=args))
         return out
 
-    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+    def close(self, status: Status = Status.COMPLETED) -> list[dict[str, Any]]:
         item = self._open
         if item is None:
             return []
@@ -198,7 +212,8 @@ class _EventStream:
         else:
             out.append(self.event("response.function_call_arguments.done", **where,
                                   arguments=self._text))
-            done = call_item(item["call_id"], item["name"], self._text, "completed", item["id"])
+            done = call_item(item["call_id"], item["name"], self._text, Status.COMPLETED,
+                             item["id"])
         out.append(self.event("response.output_item.done", output_index=where["output_index"],
                               item=done))
         self.output.append(done)
@@ -206,12 +221,8 @@ class _EventStream:
         return out
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
 def _opening(out: _EventStream, response: ResponseObject) -> list[dict[str, Any]]:
-    return [out.event(kind, response=response.body("in_progress", [], None))
+    return [out.event(kind, response=response.body(Status.IN_PROGRESS, [], None))
             for kind in ("response.created", "response.in_progress")]
 
 
@@ -247,8 +258,8 @@ async def _events(response: ResponseObject, jobs: list[ChoiceJob],
             yield event
     for event in out.close(status):
         yield event
-    yield out.event(f"response.{status}", response=response.body(status, out.output,
-                                                                 _usage(usage)))
+    yield out.event(f"response.{status.value}", response=response.body(status, out.output,
+                                                                       _usage(usage)))
 
 
 def add_responses_routes(app: web.Application) -> None:
