@@ -268,3 +268,24 @@ async def test_openai_agents_sdk_runs_a_tool_loop(client: openai.OpenAI, streame
     assert items == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
     assert seen == ["Paris"]
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+async def test_openai_agents_sdk_structured_output(client: openai.OpenAI) -> None:
+    """An Agents SDK agent with a typed output: the SDK sends text.format json_schema (strict),
+    the grammar makes the model's answer valid, the SDK parses it into the model class."""
+    import agents
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+
+    agents.set_tracing_disabled(True)
+    sdk = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="geo", instructions="Answer with the city and its country.", output_type=City,
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=sdk),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=60))
+    result = await agents.Runner.run(agent, "Which city is the Eiffel Tower in?", max_turns=1)
+    await sdk.close()
+    assert isinstance(result.final_output, City) and result.final_output.name

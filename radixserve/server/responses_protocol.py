@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.server.fields import bad, check_fields, get_float, get_int
+from radixserve.server.fields import bad, check_fields, get_int
 
 # Sampling extras vLLM's Responses route also takes; parse_chat validates them.
 _SAMPLING_EXTRAS = frozenset({
@@ -37,7 +37,7 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "background": (False, "background responses are not supported"),
     "truncation": ("disabled", "only 'disabled' is supported (an over-long input is a 400)"),
     "include": ([], "no extra output data can be included"),
-    "reasoning": (None, "this server has no reasoning models"),
+    "reasoning": (None, "reasoning effort and summaries are not supported"),
     "top_logprobs": (0, "logprobs are not supported on /v1/responses"),
     "max_tool_calls": (None, "'max_tool_calls' is not supported"),
 }
@@ -47,12 +47,11 @@ _TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
 
 @dataclass(frozen=True)
 class ResponsesEcho:
-    """The settings a Response object repeats back, as the client sent them (defaults filled)."""
+    """The settings a Response object repeats back, as the client sent them (defaults filled;
+    temperature and top_p are echoed from the sampling parameters actually used)."""
 
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
     text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
@@ -223,7 +222,6 @@ def to_chat_body(body: Any) -> tuple[dict[str, Any], ResponsesEcho]:
         chat["max_tokens"] = max_out
     echo = ResponsesEcho(
         instructions=instructions, max_output_tokens=max_out,
-        temperature=get_float(body, "temperature"), top_p=get_float(body, "top_p"),
         tools=list(body.get("tools") or []), tool_choice=body.get("tool_choice") or "auto",
         text={"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
