@@ -173,6 +173,28 @@ async def test_text_format_json_schema_constrains_the_output(model_dir: Path) ->
     assert out["text"]["format"]["name"] == "answer"
 
 
+async def test_text_logprobs_whole_and_streamed_match_chat(model_dir: Path) -> None:
+    body = {**RESP_BODY, "input": "Count to three", "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
+    seen: list[GenerateMsg] = []
+    async with serve(model_dir, seen) as tc:
+        status, whole = await post(tc, body, "/v1/responses")
+        events = await sse(tc, body)
+        chat = {**CHAT_BODY, "messages": [{"role": "user", "content": "Count to three"}],
+                "logprobs": True, "top_logprobs": 2}
+        status_chat, chat_out = await post(tc, chat)
+    assert status == status_chat == 200, whole
+    assert seen[0].params == seen[2].params and seen[0].params.logprobs == 2
+    lps = whole["output"][0]["content"][0]["logprobs"]
+    assert lps == chat_out["choices"][0]["logprobs"]["content"]
+    assert len(lps) == whole["usage"]["output_tokens"]
+    assert all(len(e["top_logprobs"]) == 2 for e in lps)
+    streamed = [e for ev in events if ev["type"] == "response.output_text.delta"
+                for e in ev["logprobs"]]
+    done = next(ev for ev in events if ev["type"] == "response.output_text.done")
+    assert streamed == done["logprobs"] == lps
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"input": None}, "input"),
     ({"input": []}, "input"),
@@ -194,6 +216,10 @@ async def test_text_format_json_schema_constrains_the_output(model_dir: Path) ->
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"instructions": 5}, "instructions"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without include: nothing would show them
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "tools": [WEATHER_TOOL]}, "include"),
     ({"frobnicate": 1}, "frobnicate"),
 ])
 async def test_bad_input_is_openais_400(model_dir: Path, fields: dict[str, Any],

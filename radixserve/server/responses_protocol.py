@@ -7,7 +7,8 @@ object repeats. Input items map to chat messages: a message item to its role (de
 system), `function_call` items to the preceding assistant turn's tool_calls (or a new one),
 `function_call_output` items to tool messages. What this server does not do is a 400 naming
 the field: stored responses (`previous_response_id`, `conversation`, item references, `store`
-is accepted but nothing is kept), images and files, built-in tools, background runs.
+is accepted but nothing is kept), images and files, built-in tools, background runs. The text's
+logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`) are served without tools.
 Does not know: tokenizers, the engine, the wire format of a Response (routes_responses.py).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.server.fields import bad, check_fields, get_int
+from radixserve.server.protocol import MAX_LOGPROBS
 
 # Sampling extras vLLM's Responses route also takes; parse_chat validates them.
 _SAMPLING_EXTRAS = frozenset({
@@ -27,7 +29,8 @@ _SAMPLING_EXTRAS = frozenset({
 _PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_calls"})
 _HANDLED = frozenset({"input", "instructions", "max_output_tokens", "tools", "tool_choice",
                       "text", "store", "metadata", "user", "service_tier", "prompt_cache_key",
-                      "safety_identifier"})
+                      "safety_identifier", "include", "top_logprobs"})
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served
 # Accepted at their no-op value only: anything else asks for what this server does not do.
 _NEUTRAL: dict[str, tuple[Any, str]] = {
     "previous_response_id": (None, "this server keeps no responses: send the whole "
@@ -36,9 +39,7 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "prompt": (None, "stored prompt templates are not supported"),
     "background": (False, "background responses are not supported"),
     "truncation": ("disabled", "only 'disabled' is supported (an over-long input is a 400)"),
-    "include": ([], "no extra output data can be included"),
     "reasoning": (None, "reasoning effort and summaries are not supported"),
-    "top_logprobs": (0, "logprobs are not supported on /v1/responses"),
     "max_tool_calls": (None, "'max_tool_calls' is not supported"),
 }
 RESPONSES_FIELDS = _SAMPLING_EXTRAS | _PASSED | _HANDLED | frozenset(_NEUTRAL)
@@ -195,6 +196,22 @@ def _response_format(text: Any) -> dict[str, Any] | None:
               "text.format.type")
 
 
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """Top alternatives per token when `include` asks for the text's logprobs, else None."""
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(v != LOGPROBS_INCLUDE for v in include):
+        raise bad(f"'include' may hold only {LOGPROBS_INCLUDE!r}", "include")
+    top = get_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if not include:
+        if top:
+            raise bad(f"'top_logprobs' requires 'include': [{LOGPROBS_INCLUDE!r}]",
+                      "top_logprobs")
+        return None
+    if body.get("tools"):
+        raise bad("logprobs are not supported together with tools on /v1/responses", "include")
+    return top or 0
+
+
 def to_chat_body(body: Any) -> tuple[dict[str, Any], ResponsesEcho]:
     """The chat-completions body this Responses request amounts to, and its echo."""
     body = check_fields(body, RESPONSES_FIELDS)
@@ -220,6 +237,9 @@ def to_chat_body(body: Any) -> tuple[dict[str, Any], ResponsesEcho]:
         chat["response_format"] = fmt
     if max_out is not None:
         chat["max_tokens"] = max_out
+    top = _logprobs(body)
+    if top is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, top
     echo = ResponsesEcho(
         instructions=instructions, max_output_tokens=max_out,
         tools=list(body.get("tools") or []), tool_choice=body.get("tool_choice") or "auto",

@@ -3,7 +3,9 @@
 Owns: the Response object (output items: an assistant `message` holding one `output_text`
 part, then a `function_call` item per parsed tool call; status completed, or incomplete at
 max_output_tokens), its usage shape, and the typed stream events (`response.created` ...
-`response.completed`, numbered by sequence_number, each as `event: <type>` + `data:`).
+`response.completed`, numbered by sequence_number, each as `event: <type>` + `data:`), and
+the text's logprobs when `include` asks (chat's logprobs entries, on the text part and on
+each delta).
 A request is turned into a chat request by responses_protocol.py and runs exactly as
 /v1/chat/completions runs it: the same template, tool grammar and call parser, and
 response_format constraint; nothing is stored (`store` is echoed as false).
@@ -16,7 +18,7 @@ import enum
 import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -26,7 +28,7 @@ from radixserve.server.errors import json_response
 from radixserve.server.generation import ChoiceChunk, ChoiceJob
 from radixserve.server.protocol import parse_chat
 from radixserve.server.responses_protocol import ResponsesEcho, to_chat_body
-from radixserve.server.routes_openai import Usage
+from radixserve.server.routes_openai import Usage, chat_logprobs
 from radixserve.server.sse import write_sse
 from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, read_json
 from radixserve.server.tool_parsers import CallFormat
@@ -34,6 +36,7 @@ from radixserve.server.tool_stream import ChatToolStream, tool_message
 from radixserve.types import SamplingParams
 
 LENGTH = "length"
+TokenStr = Callable[[int], str]
 
 
 class Status(str, enum.Enum):
@@ -58,12 +61,13 @@ def _usage(usage: Usage) -> dict[str, Any]:
             "total_tokens": chat["total_tokens"]}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(text: str, status: Status, item_id: str | None = None) -> dict[str, Any]:
-    parts = [] if status is Status.IN_PROGRESS else [_text_part(text)]
+def message_item(text: str, status: Status, item_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    parts = [] if status is Status.IN_PROGRESS else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}",
             "status": status.value, "role": "assistant", "content": parts}
 
@@ -114,20 +118,23 @@ async def responses(request: web.Request) -> web.StreamResponse:
     with state.admit(request, jobs) as ticket:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         if req.opts.stream:
-            return await write_sse(request, _events(response, jobs, chunks, calls), named=True)
-        return json_response(await _collect(response, jobs, chunks, calls))
+            events = _events(response, jobs, chunks, calls, state.token_str)
+            return await write_sse(request, events, named=True)
+        return json_response(await _collect(response, jobs, chunks, calls, state.token_str))
 
 
 async def _collect(response: ResponseObject, jobs: list[ChoiceJob],
-                   chunks: AsyncGenerator[ChoiceChunk, None],
-                   calls: CallFormat | None) -> dict[str, Any]:
+                   chunks: AsyncGenerator[ChoiceChunk, None], calls: CallFormat | None,
+                   token_str: TokenStr) -> dict[str, Any]:
     texts: list[str] = []
+    lps: list[dict[str, Any]] = []
     finish: str | None = None
     usage = Usage(jobs)
     async with aclosing(chunks) as stream:
         async for c in stream:
             usage.add(c)
             texts.append(c.text)
+            lps += _logprobs(token_str, c)
             finish = c.finish_reason or finish
     message: dict[str, Any] = {"content": "".join(texts)}
     called = False
@@ -137,7 +144,7 @@ async def _collect(response: ResponseObject, jobs: list[ChoiceJob],
     output = []
     tool_calls = message.get("tool_calls") or []
     if message["content"] or not tool_calls:
-        output.append(message_item(message["content"], status))
+        output.append(message_item(message["content"], status, logprobs=lps))
     output += [call_item(tc["id"], tc["function"]["name"], tc["function"]["arguments"],
                          Status.COMPLETED) for tc in tool_calls]
     return response.body(status, output, _usage(usage))
@@ -152,6 +159,7 @@ class _EventStream:
         self.output: list[dict[str, Any]] = []  # finished items, in output_index order
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._text = ""  # its text, or its arguments so far
+        self._lps: list[dict[str, Any]] = []  # its text's logprobs so far
         self.called = False  # a function_call item was opened
 
     @property
@@ -165,19 +173,21 @@ class _EventStream:
         assert self._open is not None
         return {"item_id": self._open["id"], "output_index": len(self.output)}
 
-    def text(self, delta: str) -> list[dict[str, Any]]:
+    def text(self, delta: str, lps: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         out = []
         if self._open is None or self._open["type"] != "message":
             out += self.close()
             self._open, self._text = message_item("", Status.IN_PROGRESS), ""
+            self._lps = []
             out.append(self.event("response.output_item.added", output_index=len(self.output),
                                   item=self._open))
             out.append(self.event("response.content_part.added", **self._where(),
                                   content_index=0, part=_text_part("")))
-        if delta:
+        self._lps += lps or []
+        if delta or lps:  # tokens with no text yet (a special token) still carry logprobs
             self._text += delta
             out.append(self.event("response.output_text.delta", **self._where(),
-                                  content_index=0, delta=delta, logprobs=[]))
+                                  content_index=0, delta=delta, logprobs=lps or []))
         return out
 
     def call(self, wire: dict[str, Any]) -> list[dict[str, Any]]:
@@ -203,12 +213,12 @@ class _EventStream:
         out = []
         where = self._where()
         if item["type"] == "message":
-            part = _text_part(self._text)
+            part = _text_part(self._text, self._lps)
             out.append(self.event("response.output_text.done", **where, content_index=0,
-                                  text=self._text, logprobs=[]))
+                                  text=self._text, logprobs=self._lps))
             out.append(self.event("response.content_part.done", **where, content_index=0,
                                   part=part))
-            done = message_item(self._text, status, item["id"])
+            done = message_item(self._text, status, item["id"], self._lps)
         else:
             out.append(self.event("response.function_call_arguments.done", **where,
                                   arguments=self._text))
@@ -221,14 +231,23 @@ class _EventStream:
         return out
 
 
+def _logprobs(token_str: TokenStr, chunk: ChoiceChunk) -> list[dict[str, Any]]:
+    """The chunk's tokens in the shape of chat's logprobs.content (empty when not asked)."""
+    if not chunk.logprobs or all(lp is None for lp in chunk.logprobs):
+        return []
+    entries: list[dict[str, Any]] = chat_logprobs(token_str, chunk.token_ids,
+                                                  chunk.logprobs)["content"]
+    return entries
+
+
 def _opening(out: _EventStream, response: ResponseObject) -> list[dict[str, Any]]:
     return [out.event(kind, response=response.body(Status.IN_PROGRESS, [], None))
             for kind in ("response.created", "response.in_progress")]
 
 
 async def _events(response: ResponseObject, jobs: list[ChoiceJob],
-                  chunks: AsyncGenerator[ChoiceChunk, None],
-                  calls: CallFormat | None) -> AsyncGenerator[dict[str, Any], None]:
+                  chunks: AsyncGenerator[ChoiceChunk, None], calls: CallFormat | None,
+                  token_str: TokenStr) -> AsyncGenerator[dict[str, Any], None]:
     out = _EventStream()
     usage = Usage(jobs)
     tools = ChatToolStream(calls) if calls else None
@@ -243,9 +262,11 @@ async def _events(response: ResponseObject, jobs: list[ChoiceJob],
             usage.add(c)
             finish = c.finish_reason or finish
             final = c.finish_reason is not None
-            deltas: list[dict[str, Any]] = (tools.deltas(c.text, final) if tools
-                                             else [{"content": c.text}])
-            for delta in deltas:
+            if tools is None:  # plain text (logprobs are only served without tools)
+                for event in out.text(c.text, _logprobs(token_str, c)):
+                    yield event
+                continue
+            for delta in tools.deltas(c.text, final):
                 events = (out.text(delta["content"]) if delta.get("content")
                           else [e for w in delta.get("tool_calls", []) for e in out.call(w)])
                 for event in events:
