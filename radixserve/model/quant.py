@@ -95,9 +95,10 @@ class Int8Linear:
             self.packed = pack_int8_weight(w.qweight)
         else:
             self.qweight = w.qweight.to(weight.device)
-        # torch's weight-only kernel wants its scales in the activations' dtype (bf16 there).
-        self.weight_only_ok = self.native is None and self.on_cpu and _has_weight_int8pack_mm()
-        self.scale_bf16 = self.scale.to(torch.bfloat16) if self.weight_only_ok else None
+        # torch's weight-only kernel (None: not used) wants its scales in the activations'
+        # dtype (bf16 there).
+        weight_only = self.native is None and self.on_cpu and _has_weight_int8pack_mm()
+        self.scale_bf16 = self.scale.to(torch.bfloat16) if weight_only else None
 
     def int8_weight(self) -> Int8Weight:
         """The plain (N, K) int8 weight and its scales, whichever layout is held."""

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from radixserve.server.errors import json_response
 from radixserve.server.generation import ChoiceChunk, ChoiceJob
-from radixserve.server.protocol import parse_chat, parse_completion
+from radixserve.server.protocol import ChatRequest, parse_chat, parse_completion
 from radixserve.server.sse import write_sse
 from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, ServerState, read_json
 from radixserve.server.tool_parsers import CallFormat
@@ -84,14 +84,15 @@ def chat_logprobs(token_str: Callable[[int], str], token_ids: list[int],
     return {"content": content}
 
 
-def _start(request: web.Request) -> tuple[ServerState, float]:
+def start_request(request: web.Request) -> tuple[ServerState, float]:
+    """The server state (503 unless ready) and the request's arrival time."""
     state = request.app[STATE_KEY]
     state.ensure_ready()
     return state, time.perf_counter()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state, arrival = _start(request)
+    state, arrival = start_request(request)
     req = parse_completion(await read_json(request), state.check_constraint)
     state.check_model(req.opts.model)
     prompts = [await state.encode(p) for p in req.prompts]
@@ -163,14 +164,9 @@ async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, arrival = _start(request)
+    state, arrival = start_request(request)
     req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
-    state.check_model(req.opts.model)
-    prompt = await state.encode_messages(req.messages, req.tools, req.template)
-    request[PREVIEW_FIELD] = req.messages[-1]["content"]
-    jobs = state.caller_jobs(request, [prompt], req.opts, "messages")
-    # Tool calls are read back from the output unless tool_choice is "none" (or no tools).
-    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
+    jobs, calls = await chat_jobs(request, state, req, "messages")
     with state.admit(request, jobs) as ticket:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         if req.opts.stream:
@@ -178,6 +174,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                   calls)
             return await write_sse(request, _with_usage(events, req.opts.include_usage))
         return json_response(await _collect_chat(state, jobs, chunks, calls))
+
+
+async def chat_jobs(request: web.Request, state: ServerState, req: ChatRequest,
+                    param: str) -> tuple[list[ChoiceJob], CallFormat | None]:
+    """A parsed chat request's choices (its prompt rendered, the caller's limits applied;
+    `param` names the prompt's field in errors) and the call format its output is read back
+    with: tool calls unless tool_choice is "none" (or there are no tools)."""
+    state.check_model(req.opts.model)
+    prompt = await state.encode_messages(req.messages, req.tools, req.template)
+    request[PREVIEW_FIELD] = req.messages[-1]["content"]
+    jobs = state.caller_jobs(request, [prompt], req.opts, param)
+    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
+    return jobs, calls
 
 
 def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:

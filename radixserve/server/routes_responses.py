@@ -28,9 +28,9 @@ from radixserve.server.errors import json_response
 from radixserve.server.generation import ChoiceChunk, ChoiceJob
 from radixserve.server.protocol import parse_chat
 from radixserve.server.responses_protocol import ResponsesEcho, to_chat_body
-from radixserve.server.routes_openai import Usage, chat_logprobs
+from radixserve.server.routes_openai import Usage, chat_jobs, chat_logprobs, start_request
 from radixserve.server.sse import write_sse
-from radixserve.server.state import PREVIEW_FIELD, STATE_KEY, read_json
+from radixserve.server.state import read_json
 from radixserve.server.tool_parsers import CallFormat
 from radixserve.server.tool_stream import ChatToolStream, tool_message
 from radixserve.types import SamplingParams
@@ -104,16 +104,10 @@ class ResponseObject:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    state.ensure_ready()
-    arrival = time.perf_counter()
+    state, arrival = start_request(request)
     chat_body, echo = to_chat_body(await read_json(request))
     req = parse_chat(chat_body, state.call_format.name, state.check_constraint)
-    state.check_model(req.opts.model)
-    prompt = await state.encode_messages(req.messages, req.tools, req.template)
-    request[PREVIEW_FIELD] = req.messages[-1]["content"]
-    jobs = state.caller_jobs(request, [prompt], req.opts, "input")
-    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
+    jobs, calls = await chat_jobs(request, state, req, "input")
     response = ResponseObject(state.model_name, echo, jobs[0].params)
     with state.admit(request, jobs) as ticket:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
