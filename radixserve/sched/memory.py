@@ -200,6 +200,9 @@ class MemoryManager:
         total = self.allocator.num_pages * self.page
         free, cached = self.allocator.num_free_slots, self.cache.total_size
         assert free + cached + held == total, (free, cached, held, total)
+        rows = [r.table_row for r in live]
+        assert len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows), rows
+        assert all(r.num_table_slots <= r.num_computed_tokens for r in live)
         owned = [s for r in live for s in r.slots[r.num_tree_tokens :]]
         assert len(owned) == len(set(owned)), "a slot is held by two requests"
         assert not set(owned) & set(self.cache.all_slots()), "a held slot is also in the tree"
