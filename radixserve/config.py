@@ -42,7 +42,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # default: sized from free memory
     page_size: int = 1
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # token budget of one extend batch
+    max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # 0 disables chunking
     # While requests decode, prefill chunks (up to chunked_prefill_size tokens) share their
     # forward (MIXED steps); False: decode and prefill steps alternate.

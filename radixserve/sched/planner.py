@@ -174,13 +174,13 @@ class BatchPlanner:
         """Slots for req up to `upto`, retracting other live requests (never those in `keep`)
         when even eviction cannot make room. False if nothing is left to retract."""
         while not self.mem.ensure_slots(req, upto):
-            victim = self._pick_victim(exclude=[req, *keep])
+            victim = self.pick_victim(exclude=[req, *keep])
             if victim is None:
                 return False
             self._retract(plan, victim)
         return True
 
-    def _pick_victim(self, exclude: list[Req]) -> Req | None:
+    def pick_victim(self, exclude: list[Req]) -> Req | None:
         candidates = [r for r in self.running + self.prefilling
                       if all(r is not e for e in exclude)]
         if not candidates:

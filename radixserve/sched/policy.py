@@ -45,17 +45,17 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def shares_uncached_prefix(req: Req, cached_len: int, chosen: Sequence[Req]) -> bool:
+def shares_uncached_prefix(req: Req, num_cached: int, chosen: Sequence[Req]) -> bool:
     """True when `req` shares >= SHARE_MIN_TOKENS uncached prompt tokens with a chosen request.
 
     Such a request should wait one step: the chosen one computes the shared part and inserts
     it into the tree, and this one then hits the cache instead of computing it again.
     """
     prompt = req.token_ids[: req.num_prompt_tokens]
-    if len(prompt) - cached_len < SHARE_MIN_TOKENS:
+    if len(prompt) - num_cached < SHARE_MIN_TOKENS:
         return False
     for other in chosen:
         shared = common_prefix_len(prompt, other.token_ids[: other.num_prompt_tokens])
-        if shared - cached_len >= SHARE_MIN_TOKENS:
+        if shared - num_cached >= SHARE_MIN_TOKENS:
             return True
     return False
