@@ -57,7 +57,6 @@ class Scheduler:
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  grammars: GrammarCompiler | None = None) -> None:
         self.cfg = cfg
-        self.grammars = grammars
         # One slot-table row per running request (the model runner's table has as many).
         self.mem = MemoryManager(allocator, cache, cfg.max_running_requests,
                                  cfg.disable_radix_cache)
@@ -78,6 +77,15 @@ class Scheduler:
         self.counters = EngineCounters()
         self.planner = BatchPlanner(cfg, self.mem, grammars, self.waiting, self.prefilling,
                                     self.running)
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """The compiler of constrained requests' grammars (the planner polls the same one)."""
+        return self.planner.grammars
+
+    @grammars.setter
+    def grammars(self, compiler: GrammarCompiler | None) -> None:
+        self.planner.grammars = compiler
 
     # ---- requests in and out -------------------------------------------------------------
 
