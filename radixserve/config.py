@@ -6,10 +6,20 @@ Owns: ModelConfig-independent knobs (EngineConfig, ServerConfig). Does not know:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+class SchedulePolicy(enum.StrEnum):
+    """Order of the waiting queue (sched/policy.py); the values are the CLI's strings."""
+
+    LPM = "lpm"  # longest prefix match first (with an age guard)
+    FCFS = "fcfs"  # arrival order
+
+
+SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
 EVICTION_POLICIES = ("lru", "slru")
@@ -32,12 +42,12 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # default: sized from free memory
     page_size: int = 1
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # token budget of one extend batch
+    max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # 0 disables chunking
     # While requests decode, prefill chunks (up to chunked_prefill_size tokens) share their
     # forward (MIXED steps); False: decode and prefill steps alternate.
     mixed_chunk: bool = True
-    schedule_policy: str = "lpm"
+    schedule_policy: SchedulePolicy = SchedulePolicy.LPM  # a string is parsed at the edge
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
     seed: int = 0
@@ -62,6 +72,7 @@ class EngineConfig:
                 f"unknown schedule policy {self.schedule_policy!r}; "
                 f"supported: {', '.join(SCHEDULE_POLICIES)}"
             )
+        object.__setattr__(self, "schedule_policy", SchedulePolicy(self.schedule_policy))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {self.attention_backend!r}; "

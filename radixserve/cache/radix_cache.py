@@ -4,9 +4,10 @@ Owns the token-prefix -> slot mapping of every cached token, the lock counts tha
 prefixes running requests use, and eviction of unlocked leaves (the order: eviction.py; LRU
 by default, SLRU, priority-aware, over-quota tenants first). It does not know tensors,
 requests, the page allocator (evict returns slots, the caller frees their pages) or the model;
-slot ids are plain ints it only checks for page alignment. The pure node helpers (child keys,
-span comparison, the matching descent and its splits, the per-node integrity census) are in
-radix_walk.py; this class keeps every count, lock, queue entry and event.
+slot ids are plain ints it only checks for page alignment (page_allocator.whole_pages). The
+pure node helpers (child keys, span comparison, the matching descent and its splits) are in
+radix_walk.py, the per-node integrity census in radix_census.py; this class keeps every
+count, lock, queue entry and event.
 
 Layout: one root per salt (namespace), so two salts never share a node. Each node holds a span
 of tokens `key` and their slots `value` as `array('i')` (4 bytes a token); children are keyed by
@@ -26,24 +27,19 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from radixserve.cache.eviction import EvictionPolicy, EvictionQueue
+from radixserve.cache.page_allocator import whole_pages
+from radixserve.cache.radix_census import census
 from radixserve.cache.radix_types import (
+    C_INT,
     CacheEvent,
     CacheEventKind,
     InsertResult,
+    IntSeq,
     MatchResult,
     TreeNode,
-)
-from radixserve.cache.radix_walk import (
-    C_INT,
-    IntSeq,
-    assert_whole_pages,
-    census,
-    child_key,
-    iter_nodes,
-    path_concat,
     to_array,
-    walk,
 )
+from radixserve.cache.radix_walk import child_key, iter_nodes, path_concat, walk
 
 __all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "RadixCache",
            "TreeNode"]
@@ -155,7 +151,7 @@ class RadixCache:
         node, num_cached = walk(root, query, tick, self.page_size)
         if num_cached < aligned_len:
             value = to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
-            assert_whole_pages(value, self.page_size)
+            self._assert_whole_pages(value)
             node = self._add_leaf(node, query[num_cached:], value, tick, priority)
         return InsertResult(num_cached, node)
 
@@ -230,9 +226,13 @@ class RadixCache:
         assert tree.leaves <= self._queue.queued(), "an evictable leaf is not queued"
         values = tree.values
         assert len(np.unique(np.frombuffer(values, dtype=C_INT))) == len(values), "slot twice"
-        assert_whole_pages(values, self.page_size)
+        self._assert_whole_pages(values)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _assert_whole_pages(self, slots: array[int]) -> None:
+        if self.page_size > 1:
+            whole_pages(np.frombuffer(slots, dtype=C_INT), self.page_size)
 
     def _tick(self) -> int:
         self._clock += 1

@@ -1,16 +1,35 @@
-"""Value types of the radix cache: tree nodes, match/insert results and cache events.
+"""Value types of the radix cache: token sequences as nodes hold them, tree nodes,
+match/insert results and cache events.
 
-Owns: their fields and meaning. Does not know: how the tree is searched or evicted
-(radix_cache.py, radix_walk.py).
+Owns: their fields and meaning, and the conversion of token ids or slots into a node's
+array('i') (to_array). Does not know: how the tree is searched or evicted (radix_cache.py,
+radix_walk.py).
 """
 
 from __future__ import annotations
 
+import struct
 from array import array
+from collections.abc import Sequence
 from enum import Enum
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 ChildKey: TypeAlias = "int | tuple[int, ...]"
+IntSeq: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"  # list, array('i'), numpy
+C_INT = np.intc  # the C int behind array('i')
+
+
+def to_array(ids: IntSeq, n: int) -> array[int]:
+    """ids[:n] as array('i'); an array('i') is sliced, not converted."""
+    if isinstance(ids, array) and ids.typecode == "i":
+        return ids[:n]
+    if isinstance(ids, np.ndarray):
+        return array("i", np.ascontiguousarray(ids[:n], dtype=C_INT).tobytes())
+    # NOTE: struct.pack converts a list of ints faster than array("i", ids) does.
+    return array("i", struct.pack(f"{n}i", *(ids if n == len(ids) else ids[:n])))
 
 
 class CacheEventKind(str, Enum):

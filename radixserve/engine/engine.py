@@ -1,6 +1,6 @@
 """Engine: one step is schedule -> run model -> sample -> commit to cache -> emit tokens.
 
-Owns: wiring the model runner, allocator, radix cache, slot table and scheduler together.
+Owns: wiring the model runner, allocator, radix cache and scheduler together.
 Does not know: HTTP, processes (loop.py drives it in the engine process), text (llm.py, the
 offline API, tokenizes around it).
 """
@@ -15,7 +15,6 @@ from typing import Any
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
-from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.grammar.backend import GrammarBackend
@@ -60,9 +59,8 @@ class Engine:
         # on the first constrained request.
         self.grammars = GrammarCompiler(functools.partial(
             _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids))
-        self.scheduler = Scheduler(cfg, self.allocator, self.cache, ReqTable(pool.slot_table),
-                                   r.max_model_len, r.spec.vocab_size, r.eos_token_ids,
-                                   self.grammars)
+        self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
+                                   r.spec.vocab_size, r.eos_token_ids, self.grammars)
         self._replies: list[CallResultMsg] = []
         self._pin_prefills: dict[str, PinMsg] = {}  # rid of the prefill request -> the call
 
@@ -78,7 +76,7 @@ class Engine:
             "quantization": self.cfg.quantization,
             "eos_token_ids": list(r.eos_token_ids), "attention_backend": r.backend_name,
             "disable_radix_cache": self.cfg.disable_radix_cache,
-            "schedule_policy": self.cfg.schedule_policy,
+            "schedule_policy": self.cfg.schedule_policy.value,
             "chunked_prefill_size": self.cfg.chunked_prefill_size,
             "max_running_requests": self.cfg.max_running_requests,
             "vocab_size": r.spec.vocab_size,
