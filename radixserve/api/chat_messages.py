@@ -7,7 +7,7 @@ Owns: validating `messages` and normalizing each to a plain dict:
   + for a tool result: "tool_call_id": str
 Every malformed message is an InvalidRequestError naming `messages[i]...`. Also the request's
 template options (add_generation_prompt, continue_final_message, chat_template_kwargs).
-Does not know: chat templates or how tools are rendered (tool_prompt.py), HTTP.
+Does not know: chat templates or how tools are rendered (tools/prompt.py), HTTP.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: one pair of buckets per key name (kept across key-file reloads, resized to
 limits), the refill arithmetic, and OpenAI's `x-ratelimit-*` header values. A bucket holds at
 most one minute's allowance (the burst) and refills continuously at limit/60 per second.
 Does not know: HTTP, what a token is (the caller charges prompt + max_tokens and refunds the
-difference to the actual usage), concurrency (limits.py).
+difference to the actual usage), concurrency (server/access/limits.py).
 All state is touched on the event loop only.
 """
 

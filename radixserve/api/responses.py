@@ -9,7 +9,7 @@ system), `function_call` items to the preceding assistant turn's tool_calls (or 
 the field: stored responses (`previous_response_id`, `conversation`, item references, `store`
 is accepted but nothing is kept), images and files, built-in tools, background runs. The text's
 logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`) are served without tools.
-Does not know: tokenizers, the engine, the wire format of a Response (routes_responses.py).
+Does not know: tokenizers, the engine, the wire format of a Response (server/routes/responses.py).
 """
 
 from __future__ import annotations

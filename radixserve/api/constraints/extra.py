@@ -1,7 +1,7 @@
 """Constraint fields that vLLM and SGLang clients send to the OpenAI routes besides
 `response_format` (through the openai SDK's `extra_body`).
 
-Owns: mapping them to the native kinds of native_constraints.py, at most one per request:
+Owns: mapping them to the native kinds of native.py, at most one per request:
   vLLM (<= 0.9, still common):   guided_json, guided_regex, guided_choice, guided_grammar
   vLLM (>= 0.10):                structured_outputs = {"json" | "regex" | "choice" | "grammar"}
   SGLang:                        regex, ebnf

@@ -3,7 +3,7 @@
 Owns: `json_schema` (a JSON-schema object or its JSON text), `regex` (string), `choice` (list
 of strings), `ebnf` (string): at most one, mapped to a Constraint and validated with
 check_constraint, so a bad one is a 400 naming the field before anything is queued.
-`constraint_of` reads one such value; extra_constraints.py uses it for the OpenAI routes.
+`constraint_of` reads one such value; extra.py uses it for the OpenAI routes.
 Does not know: the engine, tokenizers, HTTP.
 """
 

@@ -3,7 +3,7 @@
 Owns: the registry of call formats (hermes, llama3_json) and, per format, where the calls
 begin in the output, what separates two calls, the fallback prompt instruction that asks for
 that format, and how a call in the history is written back; plus the one-shot parse of a
-finished output into content and calls. Streaming lives in tool_stream.py on the same pieces.
+finished output into content and calls. Streaming lives in stream.py on the same pieces.
 Does not know: HTTP, OpenAI's wire format, tool schemas (the grammar enforces them).
 
 Formats (the engine's tool-call grammars write exactly these; see radixserve/grammar):

@@ -6,7 +6,7 @@ Owns: validating them (every error names its field: `tools[i].function.parameter
   auto     -> ToolMode.AUTO: text, or calls that the grammar constrains once opened
   required -> ToolMode.REQUIRED: one or more calls to any tool, nothing else
   {"type": "function", "function": {"name": N}} -> ToolMode.NAMED: calls to N only
-Does not know: prompts (tool_prompt.py), output parsing (tool_parsers.py), HTTP.
+Does not know: prompts (prompt.py), output parsing (parsers.py), HTTP.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns: ToolStreamParser (output text in, content and `delta.tool_calls[i]` pieces out: the
 id, type and name first, then `function.arguments` fragments as the model writes them) and
 the non-streaming `message` with `tool_calls`. Call ids are `call_<random>`.
-Does not know: HTTP, the engine, how calls are formatted (tool_parsers.py).
+Does not know: HTTP, the engine, how calls are formatted (parsers.py).
 
 Consistency with the one-shot parse: content is the text before the first call (trailing
 whitespace dropped; held back while it may still precede a call), and the streamed argument

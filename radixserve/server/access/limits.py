@@ -7,7 +7,7 @@ full queue refuses: the least important request, which is the newcomer unless a 
 still waiting for its first token is strictly less important (larger priority); then that one
 is displaced: its Ticket is marked, its queue slots pass to the newcomer at once, and its
 handler (watching through `displaceable`) aborts its engine work and answers 429.
-Does not know: routes or the engine; the buckets' arithmetic (ratelimit.py).
+Does not know: routes or the engine; the buckets' arithmetic (radixserve/api/ratelimit.py).
 All state is touched on the event loop only, so no lock is needed.
 """
 

@@ -1,7 +1,7 @@
 """OpenAI routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
 
 Owns: OpenAI's wire format (responses, stream chunks, usage, both logprobs shapes).
-Does not know: how tokens are produced (ServerState and generation.py do that).
+Does not know: how tokens are produced (ServerState and choice_stream.py do that).
 """
 
 from __future__ import annotations

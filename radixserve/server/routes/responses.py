@@ -6,10 +6,10 @@ max_output_tokens), its usage shape, and the typed stream events (`response.crea
 `response.completed`, numbered by sequence_number, each as `event: <type>` + `data:`), and
 the text's logprobs when `include` asks (chat's logprobs entries, on the text part and on
 each delta).
-A request is turned into a chat request by responses_protocol.py and runs exactly as
+A request is turned into a chat request by radixserve/api/responses.py and runs exactly as
 /v1/chat/completions runs it: the same template, tool grammar and call parser, and
 response_format constraint; nothing is stored (`store` is echoed as false).
-Does not know: the engine, how tokens are produced (ServerState, generation.py).
+Does not know: the engine, how tokens are produced (ServerState, choice_stream.py).
 """
 
 from __future__ import annotations
