@@ -23,7 +23,7 @@ SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
 EVICTION_POLICIES = ("lru", "slru")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py's registry
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
 
 
 class ConfigError(ValueError):

@@ -2,7 +2,7 @@
 
 Owns: the hash a replica and the router must agree on, the wire format of `/kv_events`, and
 the conversion of the radix cache's node-level events into block-level ones. Does not know:
-HTTP (server/kv_events_route.py streams batches), the radix tree itself (its `CacheEvent` is
+HTTP (server/routes/kv_events.py streams batches), the radix tree itself (its `CacheEvent` is
 duck-typed: `kind`, `token_ids`, `prefix_len`, `salt`).
 
 The block hash (a hash that differs across processes silently turns every lookup into a
@@ -16,6 +16,7 @@ miss, so it is spelled out here and pinned by a test against xxhash itself):
 
 Block i's hash therefore covers every token before it and the salt, so equal hashes mean
 equal prefixes of the same cache namespace. The salt is `cache_salt_for_api_key(key)`
+(radixserve/api/keys.py)
 (or "" for the shared namespace), chosen by the server, never by the client.
 
 Wire format (one JSON object per SSE `data:` line):
@@ -29,7 +30,6 @@ Wire format (one JSON object per SSE `data:` line):
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -67,13 +67,6 @@ def block_hashes(
     packed = np.asarray(token_ids[: num_blocks * block_size], dtype="<i4").tobytes()
     step = 4 * block_size
     return chained_hashes((packed[i * step : (i + 1) * step] for i in range(num_blocks)), salt)
-
-
-def cache_salt_for_api_key(api_key: str | None) -> str:
-    """The cache namespace of an API key: "" for none, else 16 hex chars of its sha256."""
-    if api_key is None:
-        return ""
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -187,10 +180,6 @@ class KVEventPublisher:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def num_live_blocks(self) -> int:
-        return len(self._live)
 
     def publish(self, cache_events: Iterable[Any]) -> EventBatch | None:
         """Convert radix-cache events and append them as one batch; None if no block changed.

@@ -31,9 +31,9 @@ from router.route_key import (
 )
 from router.workers import Worker, WorkerPool
 
-# Up to this many characters a prompt is tokenized on the loop: a fast BPE tokenizer needs
-# ~0.1-0.5 ms for it, about what handing it to a thread costs on a busy host (measured
-# ~0.4 ms per hop); longer prompts go to the default executor.
+# Up to this many characters a prompt is tokenized on the loop: a fast BPE tokenizer takes
+# about as long as handing the work to a thread costs on a busy host (figures:
+# bench/README.md); longer prompts go to the default executor.
 INLINE_ENCODE_CHARS = 2048
 
 

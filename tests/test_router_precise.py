@@ -9,13 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from radixserve.kv_events import (
-    BlockStored,
-    KVEventPublisher,
-    block_hashes,
-    cache_salt_for_api_key,
-    encode_batch,
-)
+from radixserve.api.keys import cache_salt_for_api_key
+from radixserve.kv_events import BlockStored, KVEventPublisher, block_hashes, encode_batch
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY
 from router.config import RouterConfig

@@ -40,7 +40,7 @@ from radixserve.sched.memory import MemoryManager
 from radixserve.sched.pins import PinTable
 from radixserve.sched.planner import BatchPlanner, Move, StepPlan
 from radixserve.sched.req import Batch, Req, ReqStatus
-from radixserve.sched.rules import checked_max_new_tokens, stop_reason
+from radixserve.sched.request_rules import checked_max_new_tokens, stop_reason
 from radixserve.types import (
     FinishReason,
     InvalidRequestError,
