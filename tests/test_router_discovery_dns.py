@@ -6,62 +6,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 
 import aiohttp
 import pytest
 
-from radixserve.testing.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
+from radixserve.testing.fake_replica import ByteEncoder, start_app
 from router.__main__ import build_parser
 from router.app import ROUTER_KEY, create_app
 from router.config import ConfigError, RouterConfig
 from router.discovery import DISCOVERY_KEY, DiscoveryConfig, DiscoveryMode, attach_discovery
 from router.discovery.config import discovery_from_args
 from router.discovery.dns import DnsDiscovery, worker_url
+from tests.fake_kube_api import LOOPBACKS, replicas_on_one_port, served_by, stream_completion
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+HOSTS = LOOPBACKS
 CFG = RouterConfig(health_interval_s=0.05, health_timeout_s=1.0, retry_backoff_s=0.01)
 
 
-async def _replicas_on_one_port() -> tuple[list[FakeReplica], int]:
-    for _ in range(20):
-        replicas = [FakeReplica(FakeReplicaConfig(name=h, decode_s_per_token=0.001))
-                    for h in HOSTS]
-        url = await replicas[0].start(0, HOSTS[0])
-        port = int(url.rpartition(":")[2])
-        try:
-            for r, host in zip(replicas[1:], HOSTS[1:], strict=True):
-                await r.start(port, host)
-            return replicas, port
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-            for r in replicas:
-                await r.stop()
-    raise AssertionError("no port free on all three loopback addresses")
-
-
-async def _served_by(s: aiohttp.ClientSession, url: str, n: int) -> set[str]:
-    names = set()
-    for i in range(n):
-        async with s.post(f"{url}/v1/completions", json={"prompt": f"q{i} " * 40}) as resp:
-            assert resp.status == 200
-            names.add(resp.headers["X-Fake-Replica"])
-    return names
-
-
-async def _stream(s: aiohttp.ClientSession, url: str, prompt: str) -> tuple[str, bytes]:
-    async with s.post(f"{url}/v1/completions",
-                      json={"prompt": prompt, "stream": True, "max_tokens": 5}) as resp:
-        assert resp.status == 200
-        return resp.headers["X-Fake-Replica"], await resp.read()
-
-
 async def test_dns_records_1_3_2_live_set_and_no_lost_request() -> None:
-    replicas, port = await _replicas_on_one_port()
+    replicas, port = await replicas_on_one_port(decode_s_per_token=0.001)
     records: list[str] = [HOSTS[0]]
     asked: list[tuple[str, int]] = []
 
@@ -85,24 +51,24 @@ async def test_dns_records_1_3_2_live_set_and_no_lost_request() -> None:
         async with aiohttp.ClientSession() as s:
             await live_after_two_rounds(HOSTS[:1])
             assert asked[0] == ("replicas.test", port)
-            assert await _served_by(s, url, 4) == {HOSTS[0]}
+            assert await served_by(s, url, 4) == {HOSTS[0]}
 
             records[:] = HOSTS
             await live_after_two_rounds(HOSTS)
-            assert await _served_by(s, url, 9) == set(HOSTS)  # misses spread over all 3
+            assert await served_by(s, url, 9) == set(HOSTS)  # misses spread over all 3
 
             # Streams in flight on every replica, held before their end; then .2 leaves.
             gate = asyncio.Event()
             for r in replicas:
                 r.hold_streams = gate
-            streams = [asyncio.create_task(_stream(s, url, f"s{i} " * 30)) for i in range(6)]
+            streams = [asyncio.create_task(stream_completion(s, url, f"s{i} " * 30)) for i in range(6)]
             await wait_until(lambda: sum(r.num_requests for r in replicas) >= 9 + 4 + 6,
                              what="six streams in flight")
             records[:] = [HOSTS[0], HOSTS[2]]
             await live_after_two_rounds((HOSTS[0], HOSTS[2]))
             assert not any(t.done() for t in streams)  # held: still in flight
             before = replicas[1].num_requests
-            assert await _served_by(s, url, 6) == {HOSTS[0], HOSTS[2]}
+            assert await served_by(s, url, 6) == {HOSTS[0], HOSTS[2]}
             assert replicas[1].num_requests == before  # the gone one gets nothing new
             gate.set()
             results = await asyncio.gather(*streams)

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from router.discovery.config import DiscoveryConfig
 from router.discovery.dns import worker_url
