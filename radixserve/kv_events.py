@@ -32,7 +32,7 @@ import asyncio
 import hashlib
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -84,11 +84,15 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]  # the tokens of these blocks, len == block_size * len(hashes)
     block_size: int
+    # The tier holding the blocks ("GPU", "CPU", ...); None: the pool's own (the ZMQ
+    # publisher names it). Not part of the SSE wire format.
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    medium: str | None = None  # as BlockStored.medium
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ class KVEventPublisher:
         self._last_seq = 0
         self._wakeup: asyncio.Event | None = None
         self._closed = False
+        # Called with each new batch, in order, from publish's thread (the ZMQ publisher).
+        self.listeners: list[Callable[[EventBatch], object]] = []
 
     @property
     def last_seq(self) -> int:
@@ -217,7 +223,7 @@ class KVEventPublisher:
                 if not gone:
                     continue
                 self._live.difference_update(gone)
-                ev = BlockRemoved(gone)
+                ev = BlockRemoved(gone, ev.medium)
             else:
                 self._live.clear()
             kept.append(ev)
@@ -227,6 +233,8 @@ class KVEventPublisher:
         batch = EventBatch(self._last_seq, tuple(kept))
         self._buffer.append(batch)
         self._wake()
+        for listener in self.listeners:
+            listener(batch)
         return batch
 
     def _convert(self, ce: Any) -> list[BlockEvent]:
@@ -240,12 +248,13 @@ class KVEventPublisher:
         if first >= num_full:
             return []
         hashes = block_hashes(path[: num_full * bs], bs, ce.salt)
+        medium = getattr(ce, "medium", None)  # a tiered cache names the tier
         if kind == "stored":
             parent = hashes[first - 1] if first > 0 else None
             tokens = tuple(int(t) for t in path[first * bs : num_full * bs])
-            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs)]
+            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs, medium)]
         if kind == "removed":
-            return [BlockRemoved(tuple(hashes[first:]))]
+            return [BlockRemoved(tuple(hashes[first:]), medium)]
         raise ValueError(f"unknown cache event kind {kind!r}")
 
     def snapshot(self) -> EventBatch:

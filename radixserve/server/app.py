@@ -19,9 +19,11 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import KVEventPublisher
+from radixserve.kv_events_zmq import zmq_lifecycle
 from radixserve.server.bounds import BODY_TIMEOUT_KEY, SEND_TIMEOUT_KEY, bounded_send
 from radixserve.server.errors import APIError, error_response, to_api_error
 from radixserve.server.kv_events_route import setup_kv_events
+from radixserve.server.metrics_compat import VllmCompatCollector
 from radixserve.server.routes_cache import add_cache_routes
 from radixserve.server.routes_native import add_native_routes
 from radixserve.server.routes_openai import add_openai_routes
@@ -118,8 +120,14 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
         publisher = KVEventPublisher()
         client.cache_event_sinks.append(publisher.publish)
         setup_kv_events(app, publisher)
+        if cfg.kv_events_config is not None and cfg.kv_events_config.publishes:
+            app.cleanup_ctx.append(zmq_lifecycle(publisher, cfg.kv_events_config,
+                                                 lambda: client.info.get("device")))
     else:
         app.router.add_get("/kv_events", _kv_events_disabled)
+    if cfg.metrics_compat == "vllm":
+        state.metrics.registry.register(
+            VllmCompatCollector(lambda: client.stats, lambda: state.model_name))
     app.cleanup_ctx.append(_engine_ctx)
     return app
 
