@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
 
-from radixserve.testing.fake_replica import ByteEncoder, start_app
+from radixserve.testing.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
 from router.__main__ import build_parser
 from router.app import ROUTER_KEY, create_app
 from router.config import ConfigError, RouterConfig
@@ -161,3 +165,38 @@ def test_discovery_flags() -> None:
     ok = discovery_from_args(_args("--service-discovery", "k8s", "--selector",
                                    "app=radixserve,tier in (a, b),!legacy"))
     assert ok is not None
+
+
+async def test_router_process_discovers_through_the_system_resolver(tmp_path: Path) -> None:
+    """`radixserve-router --service-discovery dns --discovery-target localhost:PORT`, as a
+    process: the system resolver's answer becomes the worker that serves the request."""
+    replica = FakeReplica(FakeReplicaConfig(name="via-dns"))
+    replica_url = await replica.start()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (tmp_path / "router.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router", "--port", str(port), "--service-discovery", "dns",
+         "--discovery-target", f"localhost:{replica_url.rpartition(':')[2]}",
+         "--discovery-interval", "0.2", "--health-interval", "0.1"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def healthy() -> bool:
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/health") as resp:
+                        return resp.status == 200
+                except aiohttp.ClientError:
+                    assert proc.poll() is None, (tmp_path / "router.log").read_text()
+                    return False
+
+            await wait_until(healthy, timeout=30, what="router up with a discovered worker")
+            assert await served_by(s, f"http://127.0.0.1:{port}", 2) == {"via-dns"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+        await replica.stop()
+    assert "discovering workers by dns" in (tmp_path / "router.log").read_text()
