@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,10 @@ def test_every_manifest_validates_offline() -> None:
         "PodDisruptionBudget", "HorizontalPodAutoscaler", "ConfigMap",
         "PersistentVolumeClaim"}
     for name, doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']}: {e.message}")
     bad = {**_one("Deployment", "radixserve"), "spec": {"replicas": "two"}}
     with pytest.raises(kubernetes_validate.ValidationError):  # the check can fail
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
@@ -75,6 +79,12 @@ def test_every_flag_exists_in_help() -> None:
     replica, router = _container("radixserve"), _container("radixserve-router")
     assert replica["command"] == ["radixserve", "serve"]
     assert router["command"] == ["radixserve-router"]
+    scripts = tomllib.loads((DEPLOY.parent.parent / "pyproject.toml").read_text())[
+        "project"]["scripts"]
+    assert {replica["command"][0], router["command"][0]} <= scripts.keys()
+    assert replica["image"] == router["image"]  # one image (router/deploy/Dockerfile)
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "COPY router ./router" in dockerfile and "RUN pip install" in dockerfile
     for flag in _flags(replica["args"]):
         assert re.search(rf"{flag}\b", serve_help), f"radixserve serve has no {flag}"
     for flag in _flags(router["args"]):
