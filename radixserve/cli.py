@@ -8,8 +8,6 @@ Defaults live in config.py only: a flag left unset is simply not passed to the d
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -27,6 +25,7 @@ from radixserve.config import (
     EngineConfig,
     KVEventsConfig,
     ServerConfig,
+    kv_events_config_from,
 )
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
@@ -119,16 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """`--kv-events-config` JSON -> KVEventsConfig; raises ConfigError naming the problem."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--kv-events-config is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ConfigError("--kv-events-config must be a JSON object")
-    unknown = sorted(set(obj) - {f.name for f in dataclasses.fields(KVEventsConfig)})
-    if unknown:
-        raise ConfigError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}")
-    return KVEventsConfig(**obj)
+    return kv_events_config_from(text, "--kv-events-config")
 
 
 def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:

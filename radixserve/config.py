@@ -6,7 +6,8 @@ Owns: ModelConfig-independent knobs (EngineConfig, ServerConfig). Does not know:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -133,6 +134,24 @@ class KVEventsConfig:
                                   f"got {value!r}")
         if not isinstance(self.topic, str):
             raise ConfigError(f"kv-events-config: topic must be a string, got {self.topic!r}")
+
+
+def kv_events_config_from(value: object, what: str = "kv_events_config") -> KVEventsConfig:
+    """A KVEventsConfig from itself, a dict of vLLM's keys, or their JSON; raises
+    ConfigError naming `what` for anything else."""
+    if isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a JSON object")
+    unknown = sorted(set(value) - {f.name for f in fields(KVEventsConfig)})
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {', '.join(map(str, unknown))}")
+    return KVEventsConfig(**value)
 
 
 @dataclass(frozen=True)

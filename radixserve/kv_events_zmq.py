@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Union
 
 import msgspec
@@ -222,3 +222,20 @@ def zmq_lifecycle(publisher: KVEventPublisher, cfg: KVEventsConfig,
             zmq_pub.close()
 
     return lifecycle
+
+
+class OfflineKVEvents:
+    """The offline `LLM(kv_events_config=...)`: the engine's cache events, drained after each
+    step, published as on a server (same hashes, same wire format). Close to free the ports."""
+
+    def __init__(self, cfg: KVEventsConfig, device: str) -> None:
+        self.blocks = KVEventPublisher()
+        self.zmq = ZmqKVEventPublisher(cfg, lambda: medium_for_device(device))
+        self.blocks.listeners.append(self.zmq.publish)
+
+    def feed(self, cache_events: Sequence[object]) -> None:
+        if cache_events:
+            self.blocks.publish(cache_events)
+
+    def close(self) -> None:
+        self.zmq.close()

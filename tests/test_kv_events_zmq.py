@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 from typing import Union
 
 import msgspec
@@ -274,3 +275,34 @@ def test_publisher_close_is_prompt_and_frees_the_port() -> None:
     assert zpub.num_sent == 5
     again = ZmqKVEventPublisher(KVEventsConfig(True, "zmq", endpoint), lambda: "CPU")
     again.close()
+
+
+def test_offline_llm_publishes_the_same_events(tiny_llama: Path) -> None:
+    """`LLM(kv_events_config=...)`: the offline engine's blocks, as a server publishes them."""
+    from radixserve import LLM, SamplingParams
+
+    cfg = {**parse_kv_events_config(CONFIG).__dict__, "endpoint": "tcp://127.0.0.1:*",
+           "replay_endpoint": "tcp://127.0.0.1:*"}
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=4096,
+              kv_events_config=cfg)
+    try:
+        assert llm.kv_events is not None and llm.engine.cfg.enable_kv_events
+        prompt = list(range(1, 50))
+        outs = llm.generate([prompt, prompt[:40] + [7] * 9],
+                            SamplingParams(max_tokens=3, temperature=0))
+        zpub = llm.kv_events.zmq
+        deadline = time.monotonic() + 10
+        while zpub.num_sent < llm.kv_events.blocks.last_seq:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sub = Subscriber(zpub.endpoint, str(zpub.replay_endpoint), "kv-events")
+        for _, payload in sub.replay(0):
+            sub.apply(DECODER.decode(payload))
+        sub.close()
+        assert sub.blocks == set(_live(llm.kv_events.blocks))
+        assert set(block_hashes(prompt, 16)) <= sub.blocks  # the prompt's 3 full blocks
+        assert all(o.finish_reason == "length" for o in outs)
+        assert sub.media == {"CPU"}
+    finally:
+        llm.close()
+    assert llm.kv_events is None
