@@ -51,6 +51,10 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05  # the thread's longest wait, so replay requests are answered promptly
 
 
+class KVEventsBindError(OSError):
+    """An endpoint of --kv-events-config cannot be bound or connected (port taken, bad host)."""
+
+
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
@@ -125,9 +129,10 @@ class ZmqKVEventPublisher:
             if cfg.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(cfg.replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             self._close_sockets()
-            raise
+            raise KVEventsBindError(f"kv-events-config: cannot open {cfg.endpoint} / "
+                                    f"{cfg.replay_endpoint}: {e}") from e
         self.num_dropped = 0  # batches refused because the queue was full
         self.num_sent = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events-zmq")

@@ -24,7 +24,12 @@ from radixserve.kv_events import (
     KVEventPublisher,
     block_hashes,
 )
-from radixserve.kv_events_zmq import ZmqKVEventPublisher, binds, medium_for_device
+from radixserve.kv_events_zmq import (
+    KVEventsBindError,
+    ZmqKVEventPublisher,
+    binds,
+    medium_for_device,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,15 +190,14 @@ def test_wire_layout_is_vllms_array_like_tagged_structs() -> None:
         hashes = block_hashes([5, 6, 7, 8], 2)
         pub.publish_blocks([BlockStored(tuple(hashes), None, (5, 6, 7, 8), 2),
                             BlockRemoved((hashes[1],), "GPU")])
-        frames = zpub.num_sent
-        while zpub.num_sent == frames or sub.next_seq != zpub.num_sent:
+        while sub.next_seq != pub.last_seq:  # every batch is sent: ZMQ seq = batch seq - 1
             assert sub.poll(5000)
-        seq, payload = sub.replay(zpub.num_sent - 1)[0]
+        seq, payload = sub.replay(pub.last_seq - 1)[0]
         raw = msgspec.msgpack.decode(payload)
         assert raw[1] == [["BlockStored", hashes, None, [5, 6, 7, 8], 2, None, "CPU"],
                           ["BlockRemoved", [hashes[1]], "GPU"]]
         assert isinstance(raw[0], float) and raw[2] == 0 and len(raw) == 3
-        assert sub.topics == {b"kv-events"} and seq == zpub.num_sent - 1
+        assert sub.topics == {b"kv-events"} and seq == pub.last_seq - 1
         assert sub.blocks == {hashes[0]}
     finally:
         sub.close()
@@ -266,15 +270,19 @@ def _live(pub: KVEventPublisher) -> list[int]:
 
 
 def test_publisher_close_is_prompt_and_frees_the_port() -> None:
-    cfg = _local(CONFIG)
-    zpub = ZmqKVEventPublisher(cfg, lambda: "CPU")
-    endpoint = zpub.endpoint
+    zpub = ZmqKVEventPublisher(_local(CONFIG), lambda: "CPU")
+    replay = str(zpub.replay_endpoint)  # the ROUTER socket always binds
     for i in range(5):
         zpub.publish(EventBatch(i + 1, (AllBlocksCleared(),)))
     zpub.close()
     assert zpub.num_sent == 5
-    again = ZmqKVEventPublisher(KVEventsConfig(True, "zmq", endpoint), lambda: "CPU")
-    again.close()
+    cfg = KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", replay_endpoint=replay)
+    again = ZmqKVEventPublisher(cfg, lambda: "CPU")  # the port is free again
+    try:  # and now taken: a clear start-up error, nothing left open
+        with pytest.raises(KVEventsBindError, match="cannot open"):
+            ZmqKVEventPublisher(cfg, lambda: "CPU")
+    finally:
+        again.close()
 
 
 def test_offline_llm_publishes_the_same_events(tiny_llama: Path) -> None:

@@ -92,7 +92,8 @@ async def test_kv_events_config_publishes_the_sse_hashes(model_dir: Path) -> Non
                 status, _ = await call(tc, "/v1/completions",
                                        {"prompt": f"prompt {i} " * 20, "max_tokens": 4})
                 assert status == 200
-            await wait_until(lambda: zpub.num_sent >= 3, what="batches sent")
+            await wait_until(lambda: zpub.num_sent == publisher.last_seq >= 3,
+                             what="every batch sent")
             frames = sub.replay(0)
             for _, payload in frames:
                 sub.apply(DECODER.decode(payload))
