@@ -1,7 +1,8 @@
 """KV-cache block events: the block hash chain, the event types, and the replica's publisher.
 
 Owns: the hash a replica and the router must agree on, the wire format of `/kv_events`, and
-the conversion of the radix cache's node-level events into block-level ones. Does not know:
+the conversion of the radix cache's node-level events into block-level ones (whose batches
+also go to `listeners`: kv_events_zmq.py publishes them in vLLM's format). Does not know:
 HTTP (server/kv_events_route.py streams batches), the radix tree itself (its `CacheEvent` is
 duck-typed: `kind`, `token_ids`, `prefix_len`, `salt`).
 

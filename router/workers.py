@@ -5,6 +5,8 @@ Owns: Worker records (mutated only through WorkerPool and Worker methods) and th
 down, `success_threshold` consecutive successes bring it back. A connection error seen by the
 proxy marks a worker *suspect*: it gets no new requests (while any non-suspect worker is up)
 until one probe succeeds, and the health loop probes at once instead of waiting its interval.
+A *draining* worker (service discovery: its pod is terminating or not Ready) gets no new
+requests at all; the ones already sent to it finish.
 Does not know: routing policies, the prefix indexes, request bodies.
 """
 
