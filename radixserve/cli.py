@@ -17,12 +17,15 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    METRICS_COMPAT,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
     TOOL_CALL_PARSERS,
     ConfigError,
     EngineConfig,
+    KVEventsConfig,
     ServerConfig,
+    kv_events_config_from,
 )
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
@@ -99,9 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one prefix-cache namespace for all API keys (default: per key)")
     serve.add_argument("--log-requests", action="store_true", default=None,
                        help="log one line per request (prompt cut to a few characters)")
+    serve.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help='vLLM\'s KV-event config, e.g. \'{"enable_kv_cache_events": true, '
+                            '"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                            '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\': '
+                            "block events in vLLM's msgpack format over ZMQ (also turns on "
+                            "--enable-kv-events)")
+    serve.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
+                       help="vllm: /metrics also carries vllm:num_requests_waiting, "
+                            "vllm:num_requests_running and vllm:kv_cache_usage_perc")
     serve.add_argument("--restart-engine", action="store_true", default=None,
                        help="restart a dead engine process (with backoff) instead of exiting 1")
     return parser
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """`--kv-events-config` JSON -> KVEventsConfig; raises ConfigError naming the problem."""
+    return kv_events_config_from(text, "--kv-events-config")
 
 
 def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:
@@ -112,13 +129,21 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
         "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk"]
     engine_kwargs = given(engine_names)
+    kv_zmq = None
+    if args.kv_events_config is not None:
+        kv_zmq = parse_kv_events_config(args.kv_events_config)
+        if kv_zmq.publishes:
+            engine_kwargs["enable_kv_events"] = True
     if args.model is not None:
         engine_kwargs["model"] = args.model
     keys = list(args.api_keys or [])
     if environ.get(API_KEY_ENV):
         keys.append(environ[API_KEY_ENV])
     server_kwargs = given([f for _, _, f, _ in _SERVER_FLAGS]
-                          + ["shared_cache", "admin_key", "log_requests", "restart_engine"])
+                          + ["shared_cache", "admin_key", "log_requests", "restart_engine",
+                             "metrics_compat"])
+    if kv_zmq is not None:
+        server_kwargs["kv_events_config"] = kv_zmq
     return ServerConfig(api_keys=tuple(dict.fromkeys(keys)), engine=EngineConfig(**engine_kwargs),
                         **server_kwargs)
 

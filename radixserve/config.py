@@ -7,7 +7,8 @@ Owns: ModelConfig-independent knobs (EngineConfig, ServerConfig). Does not know:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -24,6 +25,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
 EVICTION_POLICIES = ("lru", "slru")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
+METRICS_COMPAT = ("vllm",)  # --metrics-compat: also export these engines' metric names
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 class ConfigError(ValueError):
@@ -101,6 +105,67 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (same keys and defaults): block events as msgpack over a
+    ZMQ PUB socket, numbered, with an optional ROUTER socket that replays recent batches."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when events are enabled, else "null" (vLLM)
+    endpoint: str = "tcp://*:5557"  # bound when it has a wildcard (or ipc/inproc), else connected
+    replay_endpoint: str | None = None  # always bound
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher_name == "zmq"
+
+    @property
+    def publisher_name(self) -> str:
+        return self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError("kv-events-config: enable_kv_cache_events must be true or false")
+        if self.publisher_name not in KV_EVENT_PUBLISHERS:
+            raise ConfigError(f"kv-events-config: unknown publisher {self.publisher!r}; "
+                              f"supported: {', '.join(KV_EVENT_PUBLISHERS)}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str)
+                                      or not value.startswith(_ZMQ_SCHEMES)):
+                raise ConfigError(f"kv-events-config: {name} must be a ZMQ endpoint "
+                                  f"(tcp://host:port, ipc://path), got {value!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"kv-events-config: {name} must be an integer >= 1, "
+                                  f"got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ConfigError(f"kv-events-config: topic must be a string, got {self.topic!r}")
+
+
+def kv_events_config_from(value: object, what: str = "kv_events_config") -> KVEventsConfig:
+    """A KVEventsConfig from itself, a dict of vLLM's keys, or their JSON; raises
+    ConfigError naming `what` for anything else."""
+    if isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a JSON object")
+    unknown = sorted(set(value) - {f.name for f in fields(KVEventsConfig)})
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {', '.join(map(str, unknown))}")
+    return KVEventsConfig(**value)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
@@ -124,6 +189,8 @@ class ServerConfig:
     send_timeout: float = 30.0  # a client that accepts no bytes this long: dropped
     shutdown_timeout: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     restart_engine: bool = False  # engine died: restart it (with backoff) instead of exiting 1
+    kv_events_config: KVEventsConfig | None = None  # vLLM-format events over ZMQ too
+    metrics_compat: str | None = None  # "vllm": /metrics also carries vllm:* gauges
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -143,5 +210,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")
+        if self.metrics_compat is not None and self.metrics_compat not in METRICS_COMPAT:
+            raise ConfigError(f"unknown metrics compat {self.metrics_compat!r}; supported: "
+                              f"{', '.join(METRICS_COMPAT)}")
+        if self.kv_events_config is not None and self.kv_events_config.publishes \
+                and not self.engine.enable_kv_events:
+            raise ConfigError("kv-events-config publishes events the engine must emit: "
+                              "set engine.enable_kv_events too")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

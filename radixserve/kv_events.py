@@ -1,7 +1,8 @@
 """KV-cache block events: the block hash chain, the event types, and the replica's publisher.
 
 Owns: the hash a replica and the router must agree on, the wire format of `/kv_events`, and
-the conversion of the radix cache's node-level events into block-level ones. Does not know:
+the conversion of the radix cache's node-level events into block-level ones (whose batches
+also go to `listeners`: kv_events_zmq.py publishes them in vLLM's format). Does not know:
 HTTP (server/routes/kv_events.py streams batches), the radix tree itself (its `CacheEvent` is
 duck-typed: `kind`, `token_ids`, `prefix_len`, `salt`).
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -77,11 +78,15 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]  # the tokens of these blocks, len == block_size * len(hashes)
     block_size: int
+    # The tier holding the blocks ("GPU", "CPU", ...); None: the pool's own (the ZMQ
+    # publisher names it). Not part of the SSE wire format.
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    medium: str | None = None  # as BlockStored.medium
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,8 @@ class KVEventPublisher:
         self._last_seq = 0
         self._wakeup: asyncio.Event | None = None
         self._closed = False
+        # Called with each new batch, in order, from publish's thread (the ZMQ publisher).
+        self.listeners: list[Callable[[EventBatch], object]] = []
 
     @property
     def last_seq(self) -> int:
@@ -206,7 +213,7 @@ class KVEventPublisher:
                 if not gone:
                     continue
                 self._live.difference_update(gone)
-                ev = BlockRemoved(gone)
+                ev = BlockRemoved(gone, ev.medium)
             else:
                 self._live.clear()
             kept.append(ev)
@@ -216,6 +223,8 @@ class KVEventPublisher:
         batch = EventBatch(self._last_seq, tuple(kept))
         self._buffer.append(batch)
         self._wake()
+        for listener in self.listeners:
+            listener(batch)
         return batch
 
     def _convert(self, ce: Any) -> list[BlockEvent]:
@@ -229,12 +238,13 @@ class KVEventPublisher:
         if first >= num_full:
             return []
         hashes = block_hashes(path[: num_full * bs], bs, ce.salt)
+        medium = getattr(ce, "medium", None)  # a tiered cache names the tier
         if kind == "stored":
             parent = hashes[first - 1] if first > 0 else None
             tokens = tuple(int(t) for t in path[first * bs : num_full * bs])
-            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs)]
+            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs, medium)]
         if kind == "removed":
-            return [BlockRemoved(tuple(hashes[first:]))]
+            return [BlockRemoved(tuple(hashes[first:]), medium)]
         raise ValueError(f"unknown cache event kind {kind!r}")
 
     def snapshot(self) -> EventBatch:

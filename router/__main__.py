@@ -16,6 +16,7 @@ from aiohttp import web
 
 from router.canary import parse_worker_flags
 from router.config import ConfigError, PolicyName, RouterConfig
+from router.discovery.config import add_discovery_args, discovery_from_args
 
 log = logging.getLogger("router")
 ADMIN_KEY_ENV = "RADIXSERVE_ROUTER_ADMIN_KEY"
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-level", default="INFO")
+    add_discovery_args(p)
     return p
 
 
@@ -99,12 +101,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
+        discovery = discovery_from_args(args)
     except ConfigError as e:
         sys.exit(f"radixserve-router: {e}")
     if cfg.kv_events and cfg.tokenizer is None:
         log.warning("--kv-events without --tokenizer: only token-id prompts are scored "
                     "precisely; text and chat prompts use the approximate index")
-    if not cfg.workers:
+    if not cfg.workers and discovery is None:
         log.warning("no --worker given: add some with POST /workers")
     from router.app import create_app  # after validation: a bad flag fails fast
 
@@ -113,8 +116,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if cfg.group_weights:
         log.info("canary groups (share of sessions): %s; the rest to stable",
                  ", ".join(f"{g} {w:.2%}" for g, w in cfg.group_weights))
-    web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True,
-                print=None)
+    if discovery is not None:
+        log.info("discovering workers by %s", discovery.mode.value)
+    web.run_app(create_app(cfg, discovery=discovery), host=cfg.host, port=cfg.port,
+                handler_cancellation=True, print=None)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from router.canary import SplitUpdateError
 from router.config import ConfigError, RouterConfig, normalize_worker_url
+from router.discovery import DiscoveryConfig, attach_discovery
 from router.metrics import make_registry
 from router.proxy import error_response, no_worker_response, proxy
 from router.route_key import PromptEncoder, RequestKind, load_prompt_encoder
@@ -240,8 +241,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
-def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None) -> web.Application:
-    """The router app. Precise mode tokenizes with `encoder`, else with `cfg.tokenizer`."""
+def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None,
+               discovery: DiscoveryConfig | None = None) -> web.Application:
+    """The router app. Precise mode tokenizes with `encoder`, else with `cfg.tokenizer`;
+    `discovery`: workers found at run time too (router/discovery)."""
     if encoder is None and cfg.tokenizer is not None:
         encoder = load_prompt_encoder(cfg.tokenizer)
     router = Router(cfg, encoder)
@@ -249,6 +252,8 @@ def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None) -> web.A
     app[ROUTER_KEY] = router
     app[REGISTRY_KEY] = make_registry(router)
     app.cleanup_ctx.append(_lifecycle)
+    if discovery is not None:
+        attach_discovery(app, router, discovery)
     app.router.add_post("/v1/completions", _proxied(RequestKind.COMPLETIONS))
     app.router.add_post("/v1/chat/completions", _proxied(RequestKind.CHAT))
     app.router.add_post("/v1/responses", _proxied(RequestKind.RESPONSES))

@@ -31,6 +31,8 @@ class RouterCollector(Collector):
                                       "Requests being proxied to a worker", labels=labels)
         healthy = GaugeMetricFamily(PREFIX + "worker_healthy",
                                     "1 if the worker gets requests", labels=labels)
+        draining = GaugeMetricFamily(PREFIX + "worker_draining", "1 while discovery drains "
+                                     "the worker (pod terminating or not Ready)", labels=labels)
         hit_rate = GaugeMetricFamily(PREFIX + "estimated_hit_rate", "Prefix blocks the "
                                      "router believed the worker held / blocks routed to it",
                                      labels=labels)
@@ -45,11 +47,12 @@ class RouterCollector(Collector):
             errors.add_metric([w.url], w.num_errors)
             in_flight.add_metric([w.url], w.in_flight)
             healthy.add_metric([w.url], 1.0 if w.healthy and not w.suspect else 0.0)
+            draining.add_metric([w.url], 1.0 if w.draining else 0.0)
             hit_rate.add_metric([w.url], w.est_hit_rate)
             entries.add_metric([w.url], self.router.index.num_entries(w.url))
             if precise is not None:
                 kv_live.add_metric([w.url], 1.0 if precise.is_live(w.url) else 0.0)
-        yield from (routed, errors, in_flight, healthy, hit_rate, entries)
+        yield from (routed, errors, in_flight, healthy, draining, hit_rate, entries)
         if precise is not None:
             yield kv_live
         yield from self._groups()

@@ -5,6 +5,8 @@ Owns: Worker records (mutated only through WorkerPool and Worker methods) and th
 down, `success_threshold` consecutive successes bring it back. A connection error seen by the
 proxy marks a worker *suspect*: it gets no new requests (while any non-suspect worker is up)
 until one probe succeeds, and the health loop probes at once instead of waiting its interval.
+A *draining* worker (service discovery: its pod is terminating or not Ready) gets no new
+requests at all; the ones already sent to it finish.
 Does not know: routing policies, the prefix indexes, request bodies.
 """
 
@@ -34,6 +36,7 @@ class Worker:
     url: str
     healthy: bool = True  # optimistic at start; the first probes run at once
     suspect: bool = False
+    draining: bool = False  # discovery: pod terminating or not Ready; in-flight ones finish
     in_flight: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -50,6 +53,7 @@ class Worker:
     def to_json(self) -> dict[str, Any]:
         return {
             "url": self.url, "healthy": self.healthy, "suspect": self.suspect,
+            "draining": self.draining,
             "in_flight": self.in_flight, "routed": self.num_routed, "errors": self.num_errors,
             "est_hit_rate": round(self.est_hit_rate, 4), "last_error": self.last_error,
         }
@@ -86,8 +90,10 @@ class WorkerPool:
             raise UnknownWorkerError(url) from None
 
     def routable(self, exclude: frozenset[str] = frozenset()) -> list[Worker]:
-        """Healthy workers not in `exclude`; suspect ones only when nothing else is left."""
-        healthy = [w for w in self._workers.values() if w.healthy and w.url not in exclude]
+        """Healthy workers not in `exclude` nor draining; suspect ones only when nothing else
+        is left."""
+        healthy = [w for w in self._workers.values()
+                   if w.healthy and not w.draining and w.url not in exclude]
         trusted = [w for w in healthy if not w.suspect]
         return trusted or healthy
 

@@ -13,15 +13,18 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from radixserve.api.lengths import choice_seed
 from radixserve.api.tools.stream import tool_message
-from radixserve.config import EngineConfig
+from radixserve.config import EngineConfig, kv_events_config_from
 from radixserve.engine.engine import Engine
 from radixserve.grammar.validate import check_constraint
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.types import InvalidRequestError, SamplingParams, TemplateOptions, TokenLogprobs
+
+if TYPE_CHECKING:
+    from radixserve.kv_events_zmq import OfflineKVEvents
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -65,15 +68,38 @@ class LLM:
     """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
     `engine_kwargs` are EngineConfig fields (dtype, kv_cache_tokens, page_size, ...).
+    `kv_events_config`: vLLM's KV-event config (a dict, its JSON, or a KVEventsConfig):
+    block events over ZMQ as `radixserve serve --kv-events-config` publishes them; `close()`
+    releases the sockets.
     """
 
     def __init__(self, model: str = "smollm2-135m", show_progress: bool = False,
-                 **engine_kwargs: Any) -> None:
+                 kv_events_config: Any = None, **engine_kwargs: Any) -> None:
+        kv_cfg = None if kv_events_config is None else kv_events_config_from(kv_events_config)
+        if kv_cfg is not None and kv_cfg.publishes:
+            engine_kwargs["enable_kv_events"] = True
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs), show_progress)
         from radixserve.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.engine.runner.resolved.hf_dir)
         self._ids = itertools.count()
+        self.kv_events: OfflineKVEvents | None = None
+        if kv_cfg is not None and kv_cfg.publishes:
+            from radixserve.kv_events_zmq import OfflineKVEvents
+
+            self.kv_events = OfflineKVEvents(kv_cfg, str(self.engine.runner.device))
+
+    def close(self) -> None:
+        """Stop publishing KV events (the engine itself needs no closing)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    def _step(self) -> list[Any]:
+        outputs = self.engine.step()
+        if self.kv_events is not None:
+            self.kv_events.feed(self.engine.drain_cache_events())
+        return outputs
 
     def generate(
         self,
@@ -124,7 +150,7 @@ class LLM:
             for rid in results:  # all or nothing: withdraw the prompts already queued
                 self.engine.abort(rid)
             while self.engine.has_work():
-                self.engine.step()
+                self._step()
             raise
         self._run(results, use_tqdm)
         return firsts
@@ -205,7 +231,7 @@ class LLM:
         start = time.perf_counter()
         bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_work():
-            for out in self.engine.step():
+            for out in self._step():
                 res = results.get(out.rid)
                 if res is None:
                     continue  # a request of an earlier call that was aborted

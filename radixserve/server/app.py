@@ -19,11 +19,13 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import KVEventPublisher
+from radixserve.kv_events_zmq import zmq_lifecycle
 from radixserve.server.access.body import BODY_TIMEOUT_KEY
 from radixserve.server.access.middleware import auth_middleware, rate_limit_headers
 from radixserve.server.access.send import SEND_TIMEOUT_KEY, bounded_send
 from radixserve.server.app_state import STATE_KEY, ServerState
 from radixserve.server.errors import APIError, error_response, to_api_error
+from radixserve.server.metrics_compat import VllmCompatCollector
 from radixserve.server.routes.cache import add_cache_routes
 from radixserve.server.routes.kv_events import setup_kv_events
 from radixserve.server.routes.native import add_native_routes
@@ -102,8 +104,14 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
         publisher = KVEventPublisher()
         client.cache_event_sinks.append(publisher.publish)
         setup_kv_events(app, publisher)
+        if cfg.kv_events_config is not None and cfg.kv_events_config.publishes:
+            app.cleanup_ctx.append(zmq_lifecycle(publisher, cfg.kv_events_config,
+                                                 lambda: client.info.get("device")))
     else:
         app.router.add_get("/kv_events", _kv_events_disabled)
+    if cfg.metrics_compat == "vllm":
+        state.metrics.registry.register(
+            VllmCompatCollector(lambda: client.stats, lambda: state.model_name))
     app.cleanup_ctx.append(_engine_ctx)
     return app
 

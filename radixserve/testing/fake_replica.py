@@ -37,11 +37,12 @@ from radixserve.server.routes.kv_events import setup_kv_events
 from router.config import RouterConfig
 
 
-async def start_app(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
-    """Serve `app` on 127.0.0.1 (port 0: a free one); stop it with `runner.cleanup()`."""
+async def start_app(app: web.Application, port: int = 0, host: str = "127.0.0.1"
+                    ) -> tuple[web.AppRunner, str]:
+    """Serve `app` on `host` (port 0: a free one); stop it with `runner.cleanup()`."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, host, port).start()
     host, real_port = runner.addresses[0][:2]
     return runner, f"http://{host}:{real_port}"
 
@@ -77,6 +78,7 @@ class FakeReplica:
         self.publisher = KVEventPublisher(cfg.block_size, keepalive_s=cfg.kv_keepalive_s)
         self.healthy = True
         self.break_after_chunks: int | None = None  # streams die after this many chunks
+        self.hold_streams: asyncio.Event | None = None  # set: streams wait before their end
         self.num_requests = 0
         self.num_aborted = 0  # streams whose client went away
         self.prompt_tokens = 0
@@ -98,8 +100,8 @@ class FakeReplica:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    async def start(self, port: int = 0) -> str:
-        self._runner, self.url = await start_app(self.app, port)
+    async def start(self, port: int = 0, host: str = "127.0.0.1") -> str:
+        self._runner, self.url = await start_app(self.app, port, host)
         return self.url
 
     async def stop(self) -> None:
@@ -218,6 +220,8 @@ class FakeReplica:
         except (asyncio.CancelledError, ConnectionResetError):
             self.num_aborted += 1  # what a real server turns into an engine abort
             raise
+        if self.hold_streams is not None:
+            await self.hold_streams.wait()
         final = {"object": "text_completion", "choices": [], "usage": usage}
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
