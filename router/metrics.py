@@ -74,6 +74,13 @@ class RouterCollector(Collector):
         for outcome in SessionOutcome:
             routed.add_metric([outcome.value], counts[outcome])
         yield from (hits, spills, routed)
+        resumed = CounterMetricFamily(PREFIX + "stream_resumes", "Streams continued on another "
+                                      "replica after theirs failed mid-way")
+        resumed.add_metric([], self.router.stream_counts["resumed"])
+        failed = CounterMetricFamily(PREFIX + "stream_failures", "Streams ended with an error "
+                                     "event (not resumable, or every resume failed)")
+        failed.add_metric([], self.router.stream_counts["failed"])
+        yield from (resumed, failed)
 
     def _groups(self) -> Iterator[Metric]:
         """Canary groups (canary.py): every group, the stable one included."""

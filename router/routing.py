@@ -53,6 +53,7 @@ class Router:
         self.pool = WorkerPool(cfg.workers, cfg.fail_threshold, cfg.success_threshold,
                                Breaker(cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s))
         self.sessions = SessionAffinity(cfg.max_sessions, cfg.session_load_factor)
+        self.stream_counts: dict[str, int] = {"resumed": 0, "failed": 0}  # resume.py
         self.policy: Policy = make_policy(cfg)
         self.index = ApproxPrefixIndex(cfg.index_max_entries)
         self.precise = (PreciseIndex(cfg.kv_block_size, cfg.pending_ttl_s,
