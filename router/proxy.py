@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -166,8 +166,8 @@ async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker:
 
 async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSession,
                 kind: RequestKind | None) -> web.StreamResponse:
-    """Route and forward `request`; retry elsewhere while nothing has been relayed."""
-    cfg = router.cfg
+    """Route and forward `request`; retry elsewhere while nothing has been relayed. With a
+    keys file, the key's fleet-wide limits (limits.py) apply first."""
     body = await request.read()
     parsed = None
     if kind is not None and body:
@@ -175,6 +175,17 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             parsed = None  # routed anyway; the replica answers the 400
+    if router.limits is None or kind is None:
+        return await _proxy(request, router, session, kind, body, parsed)
+    with router.limits.admit(request.headers.get("Authorization"), parsed) as refusal:
+        if refusal is not None:
+            return refusal
+        return await _proxy(request, router, session, kind, body, parsed)
+
+
+async def _proxy(request: web.Request, router: Router, session: aiohttp.ClientSession,
+                 kind: RequestKind | None, body: bytes, parsed: Any) -> web.StreamResponse:
+    cfg = router.cfg
     key = await router.route_key(kind or RequestKind.GENERATE, parsed,
                                  request.headers.get("Authorization"),
                                  request.headers.get(SESSION_HEADER))

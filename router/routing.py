@@ -18,6 +18,7 @@ from router.breaker import Breaker
 from router.canary import TrafficSplit, session_key, split_point
 from router.config import RouterConfig
 from router.kv_index import PreciseIndex, follow_kv_events
+from router.limits import FleetLimits
 from router.policy import Candidate, ChoiceReason, Policy, make_policy
 from router.prefix_index import ApproxPrefixIndex
 from router.route_key import (
@@ -54,6 +55,8 @@ class Router:
                                Breaker(cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s))
         self.sessions = SessionAffinity(cfg.max_sessions, cfg.session_load_factor)
         self.stream_counts: dict[str, int] = {"resumed": 0, "failed": 0}  # resume.py
+        self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas)
+                       if cfg.api_keys_file else None)  # raises ConfigError for a bad file
         self.policy: Policy = make_policy(cfg)
         self.index = ApproxPrefixIndex(cfg.index_max_entries)
         self.precise = (PreciseIndex(cfg.kv_block_size, cfg.pending_ttl_s,

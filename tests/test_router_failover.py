@@ -153,7 +153,7 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: Collected) ->
 @pytest.mark.timeout(900)
 async def test_sigkill_mid_stream_resumes_eight_streams_token_identically(
         tmp_path: Path) -> None:
-    args = ["--kv-cache-tokens", "4096"]
+    args = ["--kv-cache-tokens", "4096", "--max-model-len", "1024"]
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(running_server("smollm2-135m", tmp_path / f"r{i}.log",
                                                       args)) for i in range(3)]
