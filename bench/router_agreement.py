@@ -41,12 +41,12 @@ async def dry_choice(router: Router, body: dict[str, Any]) -> str | None:
 
 
 async def measure(mode: str, prompts: Sequence[str], replicas: int, cache_blocks: int,
-                  concurrency: int) -> float:
+                  concurrency: int, router_replicas: int = 2) -> float:
     """The share of requests on which the two routers agree (module docstring)."""
     fakes = [FakeReplica(FakeReplicaConfig(name=f"r{i}", cache_blocks=cache_blocks))
              for i in range(replicas)]
     urls = tuple([await f.start() for f in fakes])
-    cfg = RouterConfig(workers=urls, kv_events=mode == "precise", router_replicas=2,
+    cfg = RouterConfig(workers=urls, kv_events=mode == "precise", router_replicas=router_replicas,
                        health_interval_s=0.5, kv_stream_timeout_s=5.0)
     apps = [create_app(cfg, encoder=ByteEncoder()) for _ in range(2)]
     started = [await start_app(app) for app in apps]
