@@ -1,6 +1,7 @@
 """Router benchmark on fake replicas that simulate a prefix cache (no model, no GPU).
 
     python -m bench.router [--replicas 4 --groups 16 --per-group 24 --concurrency 32]
+    python -m bench.router --trace pressure [--tenants 96 --requests 512 --cache-blocks 1024]
 
 Three processes, as deployed: the fake replicas (radixserve/testing/fake_replica.py: serialized prefill
 that costs `--prefill-us` per UNCACHED prompt token, an LRU prefix cache of `--cache-blocks`
@@ -8,7 +9,9 @@ blocks per replica, real /kv_events), the router, and this client. Scenarios, ea
 caches: round_robin, cache_aware (approximate index), cache_aware + kv events (precise). The
 workload is SGLang's generated-shared-prefix shape: G groups x P prompts, each a shared
 prefix plus a unique suffix, shuffled, `--concurrency` in flight. Reported: throughput, TTFT
-p50/p99, prefix hit rate (cached / prompt tokens from `usage`). Then the router's added
+p50/p90/p99, prefix hit rate (cached / prompt tokens from `usage`). `--trace pressure` swaps
+the workload for bench/router_trace.py's multi-tenant trace (Zipf-popular tenants whose long
+prefixes overflow the replicas' LRU caches) and skips the latency part. Then the router's added
 latency: sequential tiny requests to an instant replica, direct vs through the router (and
 through SGLang's router when `--sglang-router PYTHON` points at a venv that has it).
 """
@@ -35,6 +38,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+from bench.router_trace import TraceConfig, prefix_tokens, pressure_trace
 from radixserve.testing.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
 from router.config import PolicyName, RouterConfig
 
@@ -54,6 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-us", type=float, default=150.0, help="per uncached token")
     p.add_argument("--decode-ms", type=float, default=8.0, help="per output token")
     p.add_argument("--cache-blocks", type=int, default=512, help="per replica, 16 tokens each")
+    p.add_argument("--trace", choices=["groups", "pressure"], default="groups")
+    p.add_argument("--tenants", type=int, default=TraceConfig.tenants, help="pressure trace")
+    p.add_argument("--requests", type=int, default=TraceConfig.requests, help="pressure trace")
+    p.add_argument("--zipf", type=float, default=TraceConfig.zipf_s, help="pressure trace")
     p.add_argument("--latency-requests", type=int, default=500)
     p.add_argument("--sglang-router", default=None, metavar="PYTHON",
                    help="a python with sglang-router installed, to measure its added latency")
@@ -136,6 +144,7 @@ class Result:
     ttft_p50_ms: float
     ttft_p99_ms: float
     hit_rate: float
+    ttft_p90_ms: float = 0.0
 
 
 @dataclass
@@ -147,6 +156,13 @@ class Report:
 
 def make_prompts(args: argparse.Namespace) -> list[str]:
     rng = random.Random(0)
+    if args.trace == "pressure":
+        trace = TraceConfig(tenants=args.tenants, requests=args.requests,
+                            prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                            zipf_s=args.zipf)
+        print(f"pressure trace: {prefix_tokens(trace)} prefix tokens over "
+              f"{args.replicas} x {args.cache_blocks * 16} cached tokens", flush=True)
+        return pressure_trace(trace, rng)
     letters = "abcdefghijklmnopqrstuvwxyz "
 
     def text(n: int) -> str:
@@ -195,7 +211,8 @@ async def run_load(name: str, url: str, prompts: list[str], args: argparse.Names
         wall = time.perf_counter() - start
     ttft = np.array([r[0] for r in rows]) * 1e3
     return Result(name, len(prompts) / wall, float(np.percentile(ttft, 50)),
-                  float(np.percentile(ttft, 99)), sum(r[1] for r in rows) / sum(r[2] for r in rows))
+                  float(np.percentile(ttft, 99)), sum(r[1] for r in rows) / sum(r[2] for r in rows),
+                  float(np.percentile(ttft, 90)))
 
 
 async def flush(s: aiohttp.ClientSession, urls: list[str]) -> None:
@@ -287,6 +304,9 @@ async def bench(args: argparse.Namespace) -> Report:
                 await wait_healthy(s, router_url)
                 await asyncio.sleep(0.3)  # kv streams connect
                 results.append(await run_load(name, router_url, prompts, args))
+                print(results[-1], flush=True)
+        if args.trace == "pressure":
+            return Report(results, {}, {})
         async with contextlib.AsyncExitStack() as stack:
             names, router_urls = [], []
             for name, router in latency_routers(args, instant):
@@ -301,11 +321,14 @@ async def bench(args: argparse.Namespace) -> Report:
 
 
 def print_report(report: Report) -> None:
-    print("| policy | throughput (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | hit rate |")
-    print("|---|---|---|---|---|")
+    print("| policy | throughput (req/s) | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+          "hit rate |")
+    print("|---|---|---|---|---|---|")
     for r in report.results:
-        print(f"| {r.name} | {r.throughput:.1f} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | "
-              f"{r.hit_rate:.3f} |")
+        print(f"| {r.name} | {r.throughput:.1f} | {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | "
+              f"{r.ttft_p99_ms:.1f} | {r.hit_rate:.3f} |")
+    if not report.direct_ms:
+        return
     d = report.direct_ms
     print(f"\ndirect 1-token request: p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms")
     for name, a in report.added_ms.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import orjson
 import pytest
 
@@ -188,3 +189,89 @@ async def test_sigkill_mid_stream_resumes_eight_streams_token_identically(
         assert have.usage is not None and want.usage is not None
         assert have.usage["completion_tokens"] == MAX_TOKENS
         assert have.usage["prompt_tokens"] == want.usage["prompt_tokens"]
+
+
+class Breaking:
+    """Streams completions with token ids, breaking after `chunks`; /generate (the resume)
+    answers 500 or streams the rest as the native route does."""
+
+    def __init__(self, chunks: int, resume_status: int) -> None:
+        self.chunks, self.resume_status = chunks, resume_status
+        self.resumes: list[dict[str, Any]] = []
+        self.app = aiohttp.web.Application()
+        self.app.router.add_post("/v1/completions", self._stream)
+        self.app.router.add_post("/generate", self._generate)
+        self.app.router.add_get("/health", self._health)
+
+    async def _health(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"status": "ok"})
+
+    async def _stream(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        body = await request.json()
+        assert body["return_token_ids"] is True
+        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.chunks):
+            choice = {"index": 0, "text": f"t{i} ", "logprobs": None, "finish_reason": None,
+                      "token_ids": [100 + i]}
+            if i == 0:
+                choice["prompt_token_ids"] = [1, 2, 3]
+            event = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m",
+                     "choices": [choice]}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        assert request.transport is not None
+        request.transport.abort()  # the replica dies mid-stream
+        return resp
+
+    async def _generate(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        self.resumes.append(await request.json())
+        if self.resume_status != 200:
+            return aiohttp.web.json_response({"error": {"message": "dead", "type": "server_error",
+                                                        "param": None, "code": None}},
+                                             status=self.resume_status)
+        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        ids: list[int] = []
+        for i in range(2):
+            ids.append(200 + i)
+            fin = {"type": "length"} if i == 1 else None
+            event = {"text": "".join(f"u{j} " for j in range(i + 1)), "output_ids": ids,
+                     "meta_info": {"finish_reason": fin, "cached_tokens": 3}}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("resume_status", [200, 500])
+async def test_resume_continues_the_stream_or_ends_it_with_an_error(resume_status: int) -> None:
+    fakes = [Breaking(3, resume_status) for _ in range(2)]
+    started = [await start_app(f.app) for f in fakes]
+    cfg = dataclasses.replace(FAST, workers=tuple(u for _, u in started), health_interval_s=5.0)
+    runner, url = await start_app(create_app(cfg))
+    body = {"prompt": "x", "stream": True, "max_tokens": 5, "temperature": 0, "seed": 9,
+            "stream_options": {"include_usage": True}}
+    try:
+        async with aiohttp.ClientSession() as s:
+            payloads = await raw_events(s, url, body)
+    finally:
+        await runner.cleanup()
+        for r, _ in started:
+            await r.cleanup()
+    resumed = [r for f in fakes for r in f.resumes]
+    assert len(resumed) == 1  # --max-resumes 1: one try
+    assert resumed[0] == {"input_ids": [1, 2, 3, 100, 101, 102], "stream": True,
+                          "sampling_params": {"temperature": 0, "seed": 9, "max_new_tokens": 2}}
+    events = [orjson.loads(p) for p in payloads[:-1]]
+    assert payloads[-1] == b"[DONE]"
+    if resume_status != 200:
+        assert_error_then_done(payloads)
+        return
+    assert all(e["id"] == "cmpl-1" and e["created"] == 7 for e in events)
+    assert all("token_ids" not in c and "prompt_token_ids" not in c
+               for e in events for c in e["choices"])  # the router's, not the client's
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "t0 t1 t2 u0 u1 "
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                                   "prompt_tokens_details": {"cached_tokens": 3}}
