@@ -69,6 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # for --role router
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--kv-events", action="store_true")
+    p.add_argument("--router-replicas", type=int, default=1)
     p.add_argument("--workers", default="")
     p.add_argument("--balance-lambda", type=float, default=RouterConfig().balance_lambda)
     return p.parse_args(argv)
@@ -96,6 +97,7 @@ async def serve_router(args: argparse.Namespace) -> None:
 
     cfg = RouterConfig(workers=tuple(args.workers.split(",")), policy=PolicyName(args.policy),
                        kv_events=args.kv_events, health_interval_s=1.0,
+                       router_replicas=args.router_replicas,
                        balance_lambda=args.balance_lambda)
     _, url = await start_app(create_app(cfg, encoder=ByteEncoder()))
     await _serve_forever([url])
@@ -246,6 +248,12 @@ def router_cmd(policy: str, kv_events: bool, workers: Sequence[str],
     return cmd + (["--kv-events"] if kv_events else [])
 
 
+def _hashed(args: argparse.Namespace, kv: bool, workers: Sequence[str]) -> Any:
+    """cache_aware as one of several routers: misses go to the prefix's rendezvous home."""
+    cmd = router_cmd("cache_aware", kv, workers, args.balance_lambda)
+    return _first(child([*cmd, "--router-replicas", "2"]))
+
+
 @contextlib.asynccontextmanager
 async def sglang_router(python: str, workers: Sequence[str]) -> AsyncIterator[str]:
     with socket.socket() as sock:
@@ -276,6 +284,9 @@ def load_scenarios(args: argparse.Namespace, workers: Sequence[str]) -> list[tup
     out = [("round_robin", _ours(args, "round_robin", False, workers)),
            ("cache_aware", _ours(args, "cache_aware", False, workers)),
            ("cache_aware + kv events", _ours(args, "cache_aware", True, workers))]
+    if args.trace == "pressure":
+        out += [("cache_aware, hash ties", _hashed(args, False, workers)),
+                ("cache_aware + kv events, hash ties", _hashed(args, True, workers))]
     if args.sglang_router:
         out.append(("sglang-router cache_aware", sglang_router(args.sglang_router, workers)))
     return out
