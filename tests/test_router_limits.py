@@ -97,3 +97,21 @@ def test_token_estimate() -> None:
     assert estimate_tokens({"prompt": "x" * 398, "max_tokens": 10}) == 100 + 10
     assert estimate_tokens({"prompt": [1, 2, 3]}) == 3 + 16
     assert estimate_tokens({"messages": [{"role": "user", "content": "hi"}]}) >= 1
+
+
+def test_flags_reach_the_config(tmp_path: Path) -> None:
+    from router.__main__ import build_parser, config_from_args, main
+
+    path = keys_file(tmp_path, rpm=6)
+    cfg = config_from_args(build_parser().parse_args([
+        "--api-keys-file", str(path), "--router-replicas", "3", "--max-resumes", "0",
+        "--stream-stall-timeout", "2.5", "--session-load-factor", "1.5"]))
+    assert (cfg.api_keys_file, cfg.router_replicas, cfg.max_resumes) == (str(path), 3, 0)
+    assert (cfg.stream_stall_timeout_s, cfg.session_load_factor) == (2.5, 1.5)
+    for bad in (["--router-replicas", "0"], ["--max-resumes", "-1"],
+                ["--session-load-factor", "0.5"], ["--stream-stall-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad)
+    (tmp_path / "bad.json").write_bytes(b'{"keys": [{"name": "x"}]}')
+    with pytest.raises(SystemExit, match="key"):
+        main(["--api-keys-file", str(tmp_path / "bad.json")])
