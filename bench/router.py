@@ -181,12 +181,15 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
 
 
 async def one_stream(s: aiohttp.ClientSession, url: str, prompt: str,
-                     max_tokens: int) -> tuple[float, int, int]:
+                     max_tokens: int, model: str | None = "fake") -> tuple[float, int, int]:
     """(TTFT s, cached tokens, prompt tokens) of one streamed completion."""
     start = time.perf_counter()
     ttft = None
     usage: dict[str, Any] = {}
-    body = {"model": "fake", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     async with s.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for line in resp.content:
