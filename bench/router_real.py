@@ -48,11 +48,14 @@ async def _load(s: aiohttp.ClientSession, url: str, prompts: list[str], concurre
 
 
 async def run(urls: Sequence[str], model: str, prompts: list[str], concurrency: int,
-              max_tokens: int) -> list[tuple[str, float, float, float, float]]:
+              max_tokens: int, only: str | None = None
+              ) -> list[tuple[str, float, float, float, float]]:
     encoder = load_prompt_encoder(model)
     rows = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         for name, policy, kv in SCENARIOS:
+            if only is not None and name != only:
+                continue
             for u in urls:
                 async with s.post(f"{u}/flush_cache") as resp:
                     assert resp.status == 200, await resp.text()
@@ -85,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--logs", default="bench/results/router_real_logs")
+    p.add_argument("--only", choices=[x[0] for x in SCENARIOS], default=None)
     args = p.parse_args(argv)
     trace = TraceConfig(tenants=args.tenants, requests=args.requests,
                         prefix_len=args.prefix_len, suffix_len=40)
@@ -98,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                       serve_args))
                    for i in range(args.replicas)]
         rows = asyncio.run(run([x.url for x in servers], args.model, prompts,
-                               args.concurrency, args.max_tokens))
+                               args.concurrency, args.max_tokens, args.only))
     print("| policy | throughput (req/s) | TTFT p50 (ms) | TTFT p90 (ms) | hit rate |")
     print("|---|---|---|---|---|")
     for name, thr, p50, p90, hit in rows:
