@@ -1,6 +1,7 @@
 """Router benchmark on fake replicas that simulate a prefix cache (no model, no GPU).
 
     python -m bench.router [--replicas 4 --groups 16 --per-group 24 --concurrency 32]
+    python -m bench.router --trace pressure [--tenants 96 --requests 512 --cache-blocks 1024]
 
 Three processes, as deployed: the fake replicas (radixserve/testing/fake_replica.py: serialized prefill
 that costs `--prefill-us` per UNCACHED prompt token, an LRU prefix cache of `--cache-blocks`
@@ -8,7 +9,9 @@ blocks per replica, real /kv_events), the router, and this client. Scenarios, ea
 caches: round_robin, cache_aware (approximate index), cache_aware + kv events (precise). The
 workload is SGLang's generated-shared-prefix shape: G groups x P prompts, each a shared
 prefix plus a unique suffix, shuffled, `--concurrency` in flight. Reported: throughput, TTFT
-p50/p99, prefix hit rate (cached / prompt tokens from `usage`). Then the router's added
+p50/p90/p99, prefix hit rate (cached / prompt tokens from `usage`). `--trace pressure` swaps
+the workload for bench/router_trace.py's multi-tenant trace (Zipf-popular tenants whose long
+prefixes overflow the replicas' LRU caches) and skips the latency part. Then the router's added
 latency: sequential tiny requests to an instant replica, direct vs through the router (and
 through SGLang's router when `--sglang-router PYTHON` points at a venv that has it).
 """
@@ -35,6 +38,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+from bench.router_trace import TraceConfig, prefix_tokens, pressure_trace
 from radixserve.testing.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
 from router.config import PolicyName, RouterConfig
 
@@ -54,6 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-us", type=float, default=150.0, help="per uncached token")
     p.add_argument("--decode-ms", type=float, default=8.0, help="per output token")
     p.add_argument("--cache-blocks", type=int, default=512, help="per replica, 16 tokens each")
+    p.add_argument("--trace", choices=["groups", "pressure"], default="groups")
+    p.add_argument("--tenants", type=int, default=TraceConfig.tenants, help="pressure trace")
+    p.add_argument("--requests", type=int, default=TraceConfig.requests, help="pressure trace")
+    p.add_argument("--zipf", type=float, default=TraceConfig.zipf_s, help="pressure trace")
     p.add_argument("--latency-requests", type=int, default=500)
     p.add_argument("--sglang-router", default=None, metavar="PYTHON",
                    help="a python with sglang-router installed, to measure its added latency")
@@ -61,6 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # for --role router
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--kv-events", action="store_true")
+    p.add_argument("--router-replicas", type=int, default=1)
     p.add_argument("--workers", default="")
     p.add_argument("--balance-lambda", type=float, default=RouterConfig().balance_lambda)
     return p.parse_args(argv)
@@ -88,6 +97,7 @@ async def serve_router(args: argparse.Namespace) -> None:
 
     cfg = RouterConfig(workers=tuple(args.workers.split(",")), policy=PolicyName(args.policy),
                        kv_events=args.kv_events, health_interval_s=1.0,
+                       router_replicas=args.router_replicas,
                        balance_lambda=args.balance_lambda)
     _, url = await start_app(create_app(cfg, encoder=ByteEncoder()))
     await _serve_forever([url])
@@ -136,6 +146,7 @@ class Result:
     ttft_p50_ms: float
     ttft_p99_ms: float
     hit_rate: float
+    ttft_p90_ms: float = 0.0
 
 
 @dataclass
@@ -147,6 +158,13 @@ class Report:
 
 def make_prompts(args: argparse.Namespace) -> list[str]:
     rng = random.Random(0)
+    if args.trace == "pressure":
+        trace = TraceConfig(tenants=args.tenants, requests=args.requests,
+                            prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                            zipf_s=args.zipf)
+        print(f"pressure trace: {prefix_tokens(trace)} prefix tokens over "
+              f"{args.replicas} x {args.cache_blocks * 16} cached tokens", flush=True)
+        return pressure_trace(trace, rng)
     letters = "abcdefghijklmnopqrstuvwxyz "
 
     def text(n: int) -> str:
@@ -163,12 +181,15 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
 
 
 async def one_stream(s: aiohttp.ClientSession, url: str, prompt: str,
-                     max_tokens: int) -> tuple[float, int, int]:
+                     max_tokens: int, model: str | None = "fake") -> tuple[float, int, int]:
     """(TTFT s, cached tokens, prompt tokens) of one streamed completion."""
     start = time.perf_counter()
     ttft = None
     usage: dict[str, Any] = {}
-    body = {"model": "fake", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     async with s.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for line in resp.content:
@@ -195,7 +216,8 @@ async def run_load(name: str, url: str, prompts: list[str], args: argparse.Names
         wall = time.perf_counter() - start
     ttft = np.array([r[0] for r in rows]) * 1e3
     return Result(name, len(prompts) / wall, float(np.percentile(ttft, 50)),
-                  float(np.percentile(ttft, 99)), sum(r[1] for r in rows) / sum(r[2] for r in rows))
+                  float(np.percentile(ttft, 99)), sum(r[1] for r in rows) / sum(r[2] for r in rows),
+                  float(np.percentile(ttft, 90)))
 
 
 async def flush(s: aiohttp.ClientSession, urls: list[str]) -> None:
@@ -229,6 +251,12 @@ def router_cmd(policy: str, kv_events: bool, workers: Sequence[str],
     return cmd + (["--kv-events"] if kv_events else [])
 
 
+def _hashed(args: argparse.Namespace, kv: bool, workers: Sequence[str]) -> Any:
+    """cache_aware as one of several routers: misses go to the prefix's rendezvous home."""
+    cmd = router_cmd("cache_aware", kv, workers, args.balance_lambda)
+    return _first(child([*cmd, "--router-replicas", "2"]))
+
+
 @contextlib.asynccontextmanager
 async def sglang_router(python: str, workers: Sequence[str]) -> AsyncIterator[str]:
     with socket.socket() as sock:
@@ -259,6 +287,9 @@ def load_scenarios(args: argparse.Namespace, workers: Sequence[str]) -> list[tup
     out = [("round_robin", _ours(args, "round_robin", False, workers)),
            ("cache_aware", _ours(args, "cache_aware", False, workers)),
            ("cache_aware + kv events", _ours(args, "cache_aware", True, workers))]
+    if args.trace == "pressure":
+        out += [("cache_aware, hash ties", _hashed(args, False, workers)),
+                ("cache_aware + kv events, hash ties", _hashed(args, True, workers))]
     if args.sglang_router:
         out.append(("sglang-router cache_aware", sglang_router(args.sglang_router, workers)))
     return out
@@ -287,6 +318,9 @@ async def bench(args: argparse.Namespace) -> Report:
                 await wait_healthy(s, router_url)
                 await asyncio.sleep(0.3)  # kv streams connect
                 results.append(await run_load(name, router_url, prompts, args))
+                print(results[-1], flush=True)
+        if args.trace == "pressure":
+            return Report(results, {}, {})
         async with contextlib.AsyncExitStack() as stack:
             names, router_urls = [], []
             for name, router in latency_routers(args, instant):
@@ -301,11 +335,14 @@ async def bench(args: argparse.Namespace) -> Report:
 
 
 def print_report(report: Report) -> None:
-    print("| policy | throughput (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | hit rate |")
-    print("|---|---|---|---|---|")
+    print("| policy | throughput (req/s) | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) | "
+          "hit rate |")
+    print("|---|---|---|---|---|---|")
     for r in report.results:
-        print(f"| {r.name} | {r.throughput:.1f} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | "
-              f"{r.hit_rate:.3f} |")
+        print(f"| {r.name} | {r.throughput:.1f} | {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | "
+              f"{r.ttft_p99_ms:.1f} | {r.hit_rate:.3f} |")
+    if not report.direct_ms:
+        return
     d = report.direct_ms
     print(f"\ndirect 1-token request: p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms")
     for name, a in report.added_ms.items():

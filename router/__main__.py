@@ -71,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--session-load-factor", type=float, default=d.session_load_factor,
+                   help="a session stays on its replica while that one's load is below "
+                   "ceil(FACTOR * (in flight + 1) / replicas); beyond, it spills over")
+    p.add_argument("--max-resumes", type=int, default=d.max_resumes,
+                   help="times a stream broken mid-way is continued on another replica "
+                   "(0: it ends with an SSE error event)")
+    p.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout_s,
+                   help="seconds without a byte after a stream started: the replica failed")
+    p.add_argument("--api-keys-file", default=None,
+                   help="the replicas' keys file (.json/.toml): enforce each key's rpm, tpm "
+                   "and max_concurrency fleet-wide before routing; reloaded on SIGHUP")
+    p.add_argument("--router-replicas", type=int, default=d.router_replicas,
+                   help="routers sharing the replicas: each enforces 1/N of every key "
+                   "limit and breaks routing ties by hash, so routers agree")
     p.add_argument("--log-level", default="INFO")
     add_discovery_args(p)
     return p
@@ -92,6 +106,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_timeout_s=args.health_timeout, fail_threshold=args.fail_threshold,
         success_threshold=args.success_threshold, max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout, seed=args.seed,
+        session_load_factor=args.session_load_factor, max_resumes=args.max_resumes,
+        stream_stall_timeout_s=args.stream_stall_timeout, api_keys_file=args.api_keys_file,
+        router_replicas=args.router_replicas,
     )
 
 
@@ -118,8 +135,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                  ", ".join(f"{g} {w:.2%}" for g, w in cfg.group_weights))
     if discovery is not None:
         log.info("discovering workers by %s", discovery.mode.value)
-    web.run_app(create_app(cfg, discovery=discovery), host=cfg.host, port=cfg.port,
-                handler_cancellation=True, print=None)
+    try:
+        app = create_app(cfg, discovery=discovery)
+    except ValueError as e:  # radixserve's ConfigError: a bad --api-keys-file
+        sys.exit(f"radixserve-router: {e}")
+    web.run_app(app, host=cfg.host, port=cfg.port, handler_cancellation=True,
+                print=None)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                     auto_decompress=False)
     router.start(session)
+    undo_sighup = router.limits.install_sighup() if router.limits is not None else None
     health = asyncio.create_task(
         health_loop(session, router.pool, cfg.health_interval_s, cfg.health_timeout_s),
         name="router health",
@@ -239,6 +240,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await health
         await router.stop()
         await session.close()
+        if undo_sighup is not None:
+            undo_sighup()
 
 
 def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None,

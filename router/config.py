@@ -106,6 +106,22 @@ class RouterConfig:
     # (group, share of new sessions in [0, 1]) for each such group; stable gets the rest.
     worker_groups: tuple[tuple[str, str], ...] = ()
     group_weights: tuple[tuple[str, float], ...] = ()
+    # Sessions (session.py): a session's replica keeps it while its load is below
+    # ceil(session_load_factor * (in flight + 1) / replicas); the table holds max_sessions.
+    session_load_factor: float = 1.25
+    max_sessions: int = 1 << 20
+    # Breaker (breaker.py): an open worker waits this long (doubled per consecutive trip, at
+    # most breaker_max_cooldown_s) before a successful probe lets a trial request in.
+    breaker_cooldown_s: float = 1.0
+    breaker_max_cooldown_s: float = 30.0
+    # Mid-stream failover (resume.py): resumes per request; a stream without a byte for this
+    # long (after its first) counts as broken. 0 resumes: a broken stream ends with an error.
+    max_resumes: int = 1
+    stream_stall_timeout_s: float = 60.0
+    # Fleet-wide limits (limits.py): the replicas' keys file, and how many routers share it
+    # (each enforces 1/router_replicas of every rpm, tpm and max_concurrency).
+    api_keys_file: str | None = None
+    router_replicas: int = 1
 
     def _check_groups(self) -> None:
         grouped = dict(self.worker_groups)
@@ -154,9 +170,24 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:
             raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
+        self._check_fleet()
         if self.balance_lambda < 0:
             raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
         for name in ("admin_key", "replica_api_key"):
             value = getattr(self, name)
             if value is not None and (not value or value != value.strip()):
                 raise ConfigError(f"{name} must be a non-empty string without spaces around it")
+
+    def _check_fleet(self) -> None:
+        if not (math.isfinite(self.session_load_factor) and self.session_load_factor >= 1.0):
+            raise ConfigError(f"session_load_factor must be >= 1, got {self.session_load_factor}")
+        for name in ("max_sessions", "router_replicas"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_resumes < 0:
+            raise ConfigError(f"max_resumes must be >= 0, got {self.max_resumes}")
+        if not self.stream_stall_timeout_s > 0:
+            raise ConfigError(f"stream_stall_timeout_s must be > 0, got "
+                              f"{self.stream_stall_timeout_s}")
+        if not 0 <= self.breaker_cooldown_s <= self.breaker_max_cooldown_s:
+            raise ConfigError("0 <= breaker_cooldown_s <= breaker_max_cooldown_s")

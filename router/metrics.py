@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from router.breaker import STATE_VALUE, state_of
 from router.routing import Router
+from router.session import SessionOutcome
 
 PREFIX = "radixserve_router:"
 
@@ -41,8 +43,12 @@ class RouterCollector(Collector):
         kv_live = GaugeMetricFamily(PREFIX + "kv_events_live",
                                     "1 while the worker's /kv_events stream is followed",
                                     labels=labels)
+        state = GaugeMetricFamily(PREFIX + "worker_state", "The worker's breaker: 0 closed, "
+                                  "1 half_open, 2 open, 3 down (health probes failing)",
+                                  labels=labels)
         precise = self.router.precise
         for w in self.router.pool.all():
+            state.add_metric([w.url], STATE_VALUE[state_of(w)])
             routed.add_metric([w.url], w.num_routed)
             errors.add_metric([w.url], w.num_errors)
             in_flight.add_metric([w.url], w.in_flight)
@@ -52,10 +58,32 @@ class RouterCollector(Collector):
             entries.add_metric([w.url], self.router.index.num_entries(w.url))
             if precise is not None:
                 kv_live.add_metric([w.url], 1.0 if precise.is_live(w.url) else 0.0)
-        yield from (routed, errors, in_flight, healthy, draining, hit_rate, entries)
+        yield from (routed, errors, in_flight, healthy, draining, hit_rate, entries, state)
         if precise is not None:
             yield kv_live
         yield from self._groups()
+        yield from self._sessions()
+
+    def _sessions(self) -> Iterator[Metric]:
+        counts = self.router.sessions.counts
+        hits = CounterMetricFamily(PREFIX + "session_hits", "Requests of a session sent to "
+                                   "the replica that served it last")
+        hits.add_metric([], counts[SessionOutcome.HIT])
+        spills = CounterMetricFamily(PREFIX + "session_spills", "Requests of a session sent "
+                                     "elsewhere because its replica was over the load bound")
+        spills.add_metric([], counts[SessionOutcome.SPILL])
+        routed = CounterMetricFamily(PREFIX + "session_requests", "Requests carrying a "
+                                     "session id, by how they were placed", labels=["outcome"])
+        for outcome in SessionOutcome:
+            routed.add_metric([outcome.value], counts[outcome])
+        yield from (hits, spills, routed)
+        resumed = CounterMetricFamily(PREFIX + "stream_resumes", "Streams continued on another "
+                                      "replica after theirs failed mid-way")
+        resumed.add_metric([], self.router.stream_counts["resumed"])
+        failed = CounterMetricFamily(PREFIX + "stream_failures", "Streams ended with an error "
+                                     "event (not resumable, or every resume failed)")
+        failed.add_metric([], self.router.stream_counts["failed"])
+        yield from (resumed, failed)
 
     def _groups(self) -> Iterator[Metric]:
         """Canary groups (canary.py): every group, the stable one included."""

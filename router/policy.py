@@ -17,11 +17,16 @@ cache_aware rule (defaults: balance_lambda = 0.5):
   2 x the mean load; with 4 workers that is up to ~5x the least loaded one's load. Past that,
   the request goes to a lightly loaded worker, which then holds the prefix too: hot prefixes
   replicate to more workers while cold ones keep their affinity.
+
+Ties (several routers, RouterConfig.router_replicas > 1): `choose(..., tie_key=k)` breaks
+them by rendezvous hashing of (k, url) instead of a per-process rotation, so routers that
+see the same candidates pick the same worker without talking to each other.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import random
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
@@ -42,6 +47,7 @@ class ChoiceReason(enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
     RANDOM = "random"
+    SESSION = "session"  # cache_aware: the session's replica (session.py), or its spill
 
 
 class Choice(NamedTuple):
@@ -52,9 +58,18 @@ class Choice(NamedTuple):
 class Policy(Protocol):
     uses_prefix: bool  # whether the caller should compute match ratios at all
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
-        """Pick one of `candidates` (precondition: not empty). May advance internal counters."""
+    def choose(self, candidates: Sequence[Candidate], tie_key: int | None = None) -> Choice:
+        """Pick one of `candidates` (precondition: not empty). May advance internal counters.
+        `tie_key`: break ties by hashing it with each tied url (module docstring)."""
         ...
+
+
+def rendezvous(tie_key: int, tied: Sequence[Candidate]) -> Candidate:
+    """The tied candidate whose hash with `tie_key` is highest: the same in every process."""
+    def weight(c: Candidate) -> bytes:
+        return hashlib.blake2b(f"{tie_key}|{c.url}".encode(), digest_size=8).digest()
+
+    return max(tied, key=weight)
 
 
 class _Rotor:
@@ -63,7 +78,9 @@ class _Rotor:
     def __init__(self) -> None:
         self._turn = 0
 
-    def pick(self, tied: Sequence[Candidate]) -> Candidate:
+    def pick(self, tied: Sequence[Candidate], tie_key: int | None = None) -> Candidate:
+        if tie_key is not None and len(tied) > 1:
+            return rendezvous(tie_key, tied)
         chosen = tied[self._turn % len(tied)]
         self._turn += 1
         return chosen
@@ -75,7 +92,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._rotor = _Rotor()
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, candidates: Sequence[Candidate], tie_key: int | None = None) -> Choice:
         assert candidates, "choose() needs at least one candidate"
         return Choice(self._rotor.pick(candidates).url, ChoiceReason.ROUND_ROBIN)
 
@@ -86,11 +103,11 @@ class LeastLoadPolicy:
     def __init__(self) -> None:
         self._rotor = _Rotor()
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, candidates: Sequence[Candidate], tie_key: int | None = None) -> Choice:
         assert candidates, "choose() needs at least one candidate"
         low = min(c.in_flight for c in candidates)
         tied = [c for c in candidates if c.in_flight == low]
-        return Choice(self._rotor.pick(tied).url, ChoiceReason.LEAST_LOAD)
+        return Choice(self._rotor.pick(tied, tie_key).url, ChoiceReason.LEAST_LOAD)
 
 
 class RandomPolicy:
@@ -99,7 +116,7 @@ class RandomPolicy:
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, candidates: Sequence[Candidate], tie_key: int | None = None) -> Choice:
         assert candidates, "choose() needs at least one candidate"
         return Choice(self._rng.choice(list(candidates)).url, ChoiceReason.RANDOM)
 
@@ -118,14 +135,14 @@ class CacheAwarePolicy:
         mean = sum(loads) / len(loads)
         return c.match_ratio - self.balance_lambda * (c.in_flight - min(loads)) / max(1.0, mean)
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, candidates: Sequence[Candidate], tie_key: int | None = None) -> Choice:
         assert candidates, "choose() needs at least one candidate"
         best_match = max(c.match_ratio for c in candidates)
         if best_match <= 0.0:
-            return Choice(self._least.choose(candidates).url, ChoiceReason.MISS)
+            return Choice(self._least.choose(candidates, tie_key).url, ChoiceReason.MISS)
         ranked = {c: (self.score(c, candidates), c.match_ratio, -c.in_flight) for c in candidates}
         top = max(ranked.values())
-        chosen = self._rotor.pick([c for c in candidates if ranked[c] == top])
+        chosen = self._rotor.pick([c for c in candidates if ranked[c] == top], tie_key)
         reason = ChoiceReason.PREFIX if chosen.match_ratio == best_match else ChoiceReason.BALANCE
         return Choice(chosen.url, reason)
 

@@ -10,7 +10,9 @@ another replica would multiply the key's limits by the number of replicas. When 
 worker is left, the last retryable answer is passed through as it stands. Once the status line of a 2xx-4xx answer has been relayed,
 bytes go to the client chunk by chunk and are never retried; an upstream failure reaches the
 client as it stands: the connection is dropped, so it sees a truncated response, never a
-short "complete" one. In-flight counts are decremented in `finally`. Does not know: policies
+short "complete" one. Except streamed /v1/completions and /v1/chat/completions answers: those
+are relayed event by event by resume.py, which continues them on another replica when theirs
+fails mid-way, or ends them with an SSE error event and [DONE]. In-flight counts are decremented in `finally`. Does not know: policies
 or indexes (routing.py), the route table (app.py).
 """
 
@@ -19,17 +21,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from router.breaker import is_fault
 from router.canary import SESSION_HEADER
-from router.route_key import RequestKind
+from router.resume import Failover, Upstream
+from router.route_key import RequestKind, RouteKey
 from router.routing import Router
-from router.workers import Worker
+from router.stream_state import StreamState, upstream_body, why_not_resumable
+from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ def per_key_limit(status: int, body: bytes) -> bool:
 
 
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
-                 worker: Worker) -> web.StreamResponse:
+                 worker: Worker, pool: WorkerPool) -> web.StreamResponse:
     # Content-Length is kept (so a plain JSON answer stays unchunked) only when the bytes go
     # through untouched: the session never decompresses.
     out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
@@ -100,8 +105,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
         try:
             chunk = await upstream.content.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            worker.num_errors += 1
-            worker.last_error = f"stream broken: {e!r}"
+            pool.mark_suspect(worker, f"stream broken: {e!r}")
             log.warning("stream from %s broke mid-way: %r", worker.url, e)
             if request.transport is not None:
                 request.transport.close()
@@ -115,11 +119,21 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
             upstream.close()
             return out
     await out.write_eof()
+    pool.breaker.success(worker)
     return out
 
 
+async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
+                        worker: Worker, failover: Failover) -> web.StreamResponse:
+    out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                             headers=_passthrough_headers(upstream.headers, keep_length=False))
+    await out.prepare(request)
+    return await failover.relay(request, Upstream(worker, upstream), out)
+
+
 async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker: Worker,
-                   body: bytes, connect_timeout_s: float) -> Attempt:
+                   body: bytes, connect_timeout_s: float, pool: WorkerPool,
+                   failover: Failover | None = None) -> Attempt:
     url = f"{worker.url}{request.rel_url}"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
     try:
@@ -138,8 +152,11 @@ async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker:
             if per_key_limit(upstream.status, data):
                 return Attempt(fallback, None, None)  # relayed: no replica would differ
             return Attempt(None, f"answered {upstream.status}", fallback,
-                           suspect=upstream.status != 429)
-        return Attempt(await _relay(request, upstream, worker), None, None)
+                           suspect=is_fault(upstream.status, data))
+        if failover is not None and upstream.status == 200 and \
+                upstream.content_type == "text/event-stream":
+            return Attempt(await _relay_stream(request, upstream, worker, failover), None, None)
+        return Attempt(await _relay(request, upstream, worker, pool), None, None)
     except BaseException:
         upstream.close()  # not fully read: this connection cannot go back to the pool
         raise
@@ -149,8 +166,8 @@ async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker:
 
 async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSession,
                 kind: RequestKind | None) -> web.StreamResponse:
-    """Route and forward `request`; retry elsewhere while nothing has been relayed."""
-    cfg = router.cfg
+    """Route and forward `request`; retry elsewhere while nothing has been relayed. With a
+    keys file, the key's fleet-wide limits (limits.py) apply first."""
     body = await request.read()
     parsed = None
     if kind is not None and body:
@@ -158,9 +175,24 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             parsed = None  # routed anyway; the replica answers the 400
+    if router.limits is None or kind is None:
+        return await _proxy(request, router, session, kind, body, parsed)
+    with router.limits.admit(request.headers.get("Authorization"), parsed) as refusal:
+        if refusal is not None:
+            return refusal
+        return await _proxy(request, router, session, kind, body, parsed)
+
+
+async def _proxy(request: web.Request, router: Router, session: aiohttp.ClientSession,
+                 kind: RequestKind | None, body: bytes, parsed: Any) -> web.StreamResponse:
+    cfg = router.cfg
     key = await router.route_key(kind or RequestKind.GENERATE, parsed,
                                  request.headers.get("Authorization"),
                                  request.headers.get(SESSION_HEADER))
+    failover = None
+    if kind in (RequestKind.COMPLETIONS, RequestKind.CHAT) and isinstance(parsed, dict) \
+            and parsed.get("stream") is True:
+        failover, body = _failover(request, router, session, key, kind, parsed, body)
     tried: set[str] = set()
     fallback: web.Response | None = None
     for attempt in range(cfg.max_retries + 1):
@@ -174,7 +206,8 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
         tried.add(worker.url)
         worker.in_flight += 1
         try:
-            result = await _attempt(request, session, worker, body, cfg.connect_timeout_s)
+            result = await _attempt(request, session, worker, body, cfg.connect_timeout_s,
+                                    router.pool, failover)
         finally:
             worker.in_flight -= 1
         if result.response is not None:
@@ -186,3 +219,45 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
             router.pool.mark_suspect(worker, result.retry_error)
         fallback = result.fallback or fallback
     return fallback or no_worker_response(f"tried {len(tried)}" if tried else "")
+
+
+def _failover(request: web.Request, router: Router, session: aiohttp.ClientSession,
+              key: RouteKey, kind: RequestKind, parsed: dict[str, object], body: bytes
+              ) -> tuple[Failover, bytes]:
+    """The relay of a streamed answer, and the body to send (with return_token_ids when the
+    stream can be resumed exactly: resume.py, stream_state.py)."""
+    cfg = router.cfg
+    why = why_not_resumable(kind, parsed) if cfg.max_resumes else "--max-resumes is 0"
+    state = StreamState(kind, parsed, strip_ids=parsed.get("return_token_ids") is not True)
+    headers = _passthrough_headers(request.headers, keep_length=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
+
+    async def reopen(resume: bytes, exclude: set[str]) -> Upstream | None:
+        for _ in range(cfg.max_retries + 1):
+            decision = router.choose(key, frozenset(exclude))
+            if decision is None:
+                return None
+            router.record(key, decision)
+            worker = decision.worker
+            exclude.add(worker.url)
+            worker.in_flight += 1
+            try:
+                resp = await session.post(f"{worker.url}/generate", data=resume,
+                                          headers=headers, timeout=timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                worker.in_flight -= 1
+                router.pool.mark_suspect(worker, f"{type(e).__name__}: {e}")
+                continue
+            if resp.status == 200:
+                return Upstream(worker, resp)
+            data = await resp.read()
+            resp.release()
+            worker.in_flight -= 1
+            log.warning("resume on %s answered %d: %s", worker.url, resp.status, data[:200])
+            if is_fault(resp.status, data):
+                router.pool.mark_suspect(worker, f"resume answered {resp.status}")
+        return None
+
+    failover = Failover(state, router.pool, reopen, cfg.max_resumes,
+                        cfg.stream_stall_timeout_s, why, router.stream_counts)
+    return failover, (body if why is not None else upstream_body(parsed))

@@ -58,6 +58,8 @@ class RouteKey(NamedTuple):
     token_chains: tuple[tuple[int, ...], ...] = ()
     # Canary groups: the session's point in [0, 1) (canary.py); None: any group may serve.
     split_point: float | None = None
+    # Session affinity (session.py): the request's session id, None without one.
+    session: str | None = None
 
 
 class PromptEncoder(Protocol):

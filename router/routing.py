@@ -14,9 +14,11 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
+from router.breaker import Breaker
 from router.canary import TrafficSplit, session_key, split_point
 from router.config import RouterConfig
 from router.kv_index import PreciseIndex, follow_kv_events
+from router.limits import FleetLimits
 from router.policy import Candidate, ChoiceReason, Policy, make_policy
 from router.prefix_index import ApproxPrefixIndex
 from router.route_key import (
@@ -29,6 +31,7 @@ from router.route_key import (
     salt_for,
     token_chains,
 )
+from router.session import SessionAffinity, SessionOutcome, session_id, stable_hash
 from router.workers import Worker, WorkerPool
 
 # Up to this many characters a prompt is tokenized on the loop: a fast BPE tokenizer takes
@@ -42,12 +45,18 @@ class Decision(NamedTuple):
     reason: ChoiceReason
     matched_blocks: int  # by the index that scored this worker (precise if live)
     total_blocks: int
+    session: SessionOutcome | None = None  # how session affinity placed it (None: no session)
 
 
 class Router:
     def __init__(self, cfg: RouterConfig, encoder: PromptEncoder | None = None) -> None:
         self.cfg = cfg
-        self.pool = WorkerPool(cfg.workers, cfg.fail_threshold, cfg.success_threshold)
+        self.pool = WorkerPool(cfg.workers, cfg.fail_threshold, cfg.success_threshold,
+                               Breaker(cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s))
+        self.sessions = SessionAffinity(cfg.max_sessions, cfg.session_load_factor)
+        self.stream_counts: dict[str, int] = {"resumed": 0, "failed": 0}  # resume.py
+        self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas)
+                       if cfg.api_keys_file else None)  # raises ConfigError for a bad file
         self.policy: Policy = make_policy(cfg)
         self.index = ApproxPrefixIndex(cfg.index_max_entries)
         self.precise = (PreciseIndex(cfg.kv_block_size, cfg.pending_ttl_s,
@@ -64,12 +73,17 @@ class Router:
     # --- keys and choices ----------------------------------------------------------------
 
     async def route_key(self, kind: RequestKind, body: Any, authorization: str | None,
-                        session_id: str | None = None) -> RouteKey:
-        """The prefix key, plus (canary groups configured) the session's split point."""
+                        session_header: str | None = None) -> RouteKey:
+        """The prefix key, the session (cache_aware), and (canary groups configured) the
+        session's split point."""
         key = await self._prefix_key(kind, body, authorization)
+        if self.policy.uses_prefix and not self.split.active:
+            # With canary groups the split keeps a session in its group (canary.py); replica
+            # affinity inside a group whose membership admins move would fight it.
+            key = key._replace(session=session_id(session_header, body))
         if not self.split.active:
             return key
-        skey = session_key(session_id, body, authorization, extract_prompt(kind, body),
+        skey = session_key(session_header, body, authorization, extract_prompt(kind, body),
                            self.cfg.block_chars, self.cfg.kv_block_size)
         return key._replace(split_point=None if skey is None else split_point(skey))
 
@@ -120,9 +134,26 @@ class Router:
                 matched, total = approx[w.url], len(key.approx_hashes)
             scored[w.url] = (matched, total)
             candidates.append(Candidate(w.url, w.in_flight, matched / total if total else 0.0))
-        choice = self.policy.choose(candidates)
+        if key.session is not None:
+            pick = self.sessions.pick(key.session, candidates)
+            if pick is not None:
+                chosen = next(w for w in workers if w.url == pick.url)
+                return Decision(chosen, ChoiceReason.SESSION, *scored[chosen.url], pick.outcome)
+        choice = self.policy.choose(candidates, self._tie_key(key))
         chosen = next(w for w in workers if w.url == choice.url)
-        return Decision(chosen, choice.reason, *scored[chosen.url])
+        outcome = None if key.session is None else \
+            self.sessions.outcome_for_policy_choice(key.session)
+        return Decision(chosen, choice.reason, *scored[chosen.url], outcome)
+
+    def _tie_key(self, key: RouteKey) -> int | None:
+        """Several routers: ties broken by the prompt's first block (or session), the same
+        in every router; one router: None (rotation, as ever)."""
+        if self.cfg.router_replicas == 1:
+            return None
+        if key.session is not None:
+            return stable_hash(key.session)
+        first = key.token_chains[0][:1] if key.token_chains else key.approx_hashes[:1]
+        return first[0] if first else None
 
     def record(self, key: RouteKey, decision: Decision) -> None:
         """The chosen worker now holds (or soon will) the request's blocks."""
@@ -133,6 +164,8 @@ class Router:
         w.prefix_hit_blocks += decision.matched_blocks
         if w.url not in self.pool:
             return  # removed meanwhile: its entries are gone and must stay gone
+        if key.session is not None and decision.session is not None:
+            self.sessions.note(key.session, w.url, decision.session)
         self.index.record(key.approx_hashes, w.url)
         if self.precise is not None and key.token_chains:
             # Only the configured namespace's chain: pending blocks under both would make a
@@ -155,6 +188,7 @@ class Router:
         worker = self.pool.remove(url)
         self.split.remove(worker)
         self.index.drop_worker(url)
+        self.sessions.forget_worker(url)
         if self.precise is not None:
             self.precise.drop_worker(url)
         task = self._followers.pop(url, None)

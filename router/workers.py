@@ -3,8 +3,9 @@
 Owns: Worker records (mutated only through WorkerPool and Worker methods) and the periodic
 `GET /health` probes with hysteresis: `fail_threshold` consecutive failures mark a worker
 down, `success_threshold` consecutive successes bring it back. A connection error seen by the
-proxy marks a worker *suspect*: it gets no new requests (while any non-suspect worker is up)
-until one probe succeeds, and the health loop probes at once instead of waiting its interval.
+proxy (a fault, breaker.py) marks a worker *suspect* (its breaker open): it gets no new
+requests (while any non-suspect worker is up) until its cool-down is over and a probe succeeds
+(then half-open: one trial request at a time), and the health loop probes at once.
 A *draining* worker (service discovery: its pod is terminating or not Ready) gets no new
 requests at all; the ones already sent to it finish.
 Does not know: routing policies, the prefix indexes, request bodies.
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from router.breaker import Breaker, state_of
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,10 @@ class Worker:
     prefix_query_blocks: int = 0  # sum over routed requests of their blocks
     prefix_hit_blocks: int = 0  # ... and of the blocks the router believed this worker held
     last_error: str | None = None
+    # The breaker (breaker.py): `suspect` is its open state.
+    half_open: bool = False  # back on probation: one trial request at a time
+    trips: int = 0  # consecutive openings (the cool-down doubles with each)
+    open_until: float = 0.0  # monotonic time before which no probe closes it
 
     @property
     def est_hit_rate(self) -> float:
@@ -56,11 +63,14 @@ class Worker:
             "draining": self.draining,
             "in_flight": self.in_flight, "routed": self.num_routed, "errors": self.num_errors,
             "est_hit_rate": round(self.est_hit_rate, 4), "last_error": self.last_error,
+            "state": state_of(self).value,
         }
 
 
 class WorkerPool:
-    def __init__(self, urls: tuple[str, ...], fail_threshold: int, success_threshold: int) -> None:
+    def __init__(self, urls: tuple[str, ...], fail_threshold: int, success_threshold: int,
+                 breaker: Breaker | None = None) -> None:
+        self.breaker = breaker or Breaker()
         self.fail_threshold = fail_threshold
         self.success_threshold = success_threshold
         self._workers: dict[str, Worker] = {u: Worker(u) for u in urls}
@@ -90,18 +100,19 @@ class WorkerPool:
             raise UnknownWorkerError(url) from None
 
     def routable(self, exclude: frozenset[str] = frozenset()) -> list[Worker]:
-        """Healthy workers not in `exclude` nor draining; suspect ones only when nothing else
-        is left."""
+        """Healthy workers not in `exclude` nor draining; suspect ones (and half-open ones
+        already running their trial request) only when nothing else is left."""
         healthy = [w for w in self._workers.values()
                    if w.healthy and not w.draining and w.url not in exclude]
-        trusted = [w for w in healthy if not w.suspect]
+        trusted = [w for w in healthy if not w.suspect and not (w.half_open and w.in_flight)]
         return trusted or healthy
 
     def any_healthy(self) -> bool:
         return any(w.healthy for w in self._workers.values())
 
     def mark_suspect(self, worker: Worker, error: str) -> None:
-        worker.suspect = True
+        """A fault (breaker.is_fault): the breaker opens."""
+        self.breaker.trip(worker)
         worker.num_errors += 1
         worker.last_error = error
         self.probe_soon.set()
@@ -110,7 +121,7 @@ class WorkerPool:
         if ok:
             worker.consecutive_failures = 0
             worker.consecutive_successes += 1
-            worker.suspect = False
+            self.breaker.probe_ok(worker)
             if not worker.healthy and worker.consecutive_successes >= self.success_threshold:
                 worker.healthy = True
                 log.info("worker %s is up", worker.url)

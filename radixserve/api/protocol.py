@@ -52,7 +52,7 @@ _SAMPLING_FIELDS = frozenset({
     "max_tokens", "max_completion_tokens", "logit_bias",
 })
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
-                                     "timeout"}
+                                     "timeout", "return_token_ids"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "prompt", "echo", "logprobs", "response_format"}
 CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
@@ -80,6 +80,9 @@ class RequestOptions:
     # queue refuses. None: not given (the caller's key decides; auth.Caller.priority_for).
     priority: int | None = None
     timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
+    # vLLM's `return_token_ids`: stream chunks carry each choice's `token_ids` (and its first
+    # chunk the `prompt_token_ids`); the router resumes a broken stream from them.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
     return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
-                          timeout)
+                          timeout, bool(get_bool(body, "return_token_ids")))
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:

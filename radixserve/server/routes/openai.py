@@ -106,7 +106,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     want_lp = req.opts.params.logprobs is not None
     with state.admit(request, jobs) as ticket:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
-        events = _completion_events(state, jobs, chunks, echo, want_lp)
+        events = _completion_events(state, jobs, chunks, echo, want_lp,
+                                    req.opts.return_token_ids)
         if req.opts.stream:
             return await write_sse(request, _with_usage(events, req.opts.include_usage))
         return json_response(await _collect_completion(events, len(jobs)))
@@ -114,7 +115,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                              chunks: AsyncGenerator[ChoiceChunk, None], echo: list[str] | None,
-                             want_lp: bool) -> AsyncGenerator[dict[str, Any], None]:
+                             want_lp: bool, ids: bool = False
+                             ) -> AsyncGenerator[dict[str, Any], None]:
     """Completion chunks; the very last item is the usage object (popped by the callers)."""
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": state.model_name}
@@ -129,9 +131,12 @@ async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                 lp_builders[c.index] = CompletionLogprobs(state.token_str, len(prefix))
                 text = prefix + text
             lp = lp_builders[c.index].format(c.token_ids, c.logprobs) if want_lp else None
-            if text or c.finish_reason or lp:
-                yield {**base, "choices": [{"index": c.index, "text": text, "logprobs": lp,
-                                            "finish_reason": c.finish_reason}]}
+            if text or c.finish_reason or lp or (ids and (first or c.token_ids)):
+                choice = {"index": c.index, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+                if ids:
+                    _add_token_ids(choice, c, jobs[c.index] if first else None)
+                yield {**base, "choices": [choice]}
     yield {**base, "choices": [], "usage": usage.body()}
 
 
@@ -172,7 +177,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         if req.opts.stream:
             events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
-                                  calls)
+                                  calls, req.opts.return_token_ids)
             return await write_sse(request, _with_usage(events, req.opts.include_usage))
         return json_response(await _collect_chat(state, jobs, chunks, calls))
 
@@ -190,13 +195,22 @@ async def chat_jobs(request: web.Request, state: ServerState, req: ChatRequest,
     return jobs, calls
 
 
+def _add_token_ids(choice: dict[str, Any], c: ChoiceChunk, first_of: ChoiceJob | None) -> None:
+    """return_token_ids: this chunk's tokens (all of them: a chunk is emitted for tokens whose
+    text is held back too), and the prompt's on a choice's first chunk."""
+    choice["token_ids"] = list(c.token_ids)
+    if first_of is not None:
+        choice["prompt_token_ids"] = list(first_of.prompt_ids)
+
+
 def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:
     return [{"content": text}] if text else []
 
 
 async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
                        chunks: AsyncGenerator[ChoiceChunk, None], want_lp: bool,
-                       calls: CallFormat | None) -> AsyncGenerator[dict[str, Any], None]:
+                       calls: CallFormat | None, ids: bool = False
+                       ) -> AsyncGenerator[dict[str, Any], None]:
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": state.model_name}
     usage = Usage(jobs)
@@ -207,21 +221,25 @@ async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
             usage.add(c)
             if c.index not in started:  # OpenAI: the first chunk of a choice carries the role
                 started.add(c.index)
-                yield {**base, "choices": [{"index": c.index, "logprobs": None,
-                                            "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None}]}
+                role: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None,
+                                        "delta": {"role": "assistant", "content": ""}}
+                if ids:
+                    role["prompt_token_ids"] = list(jobs[c.index].prompt_ids)
+                yield {**base, "choices": [role]}
             lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs) if want_lp else None
             tools = tool_streams.get(c.index)
             final = c.finish_reason is not None
             deltas = (tools.deltas if tools else _plain_deltas)(c.text, final)
             finish = tools.finish_reason(c.finish_reason) if tools else c.finish_reason
-            if finish or (lp and lp["content"]):
-                deltas = deltas or [{}]  # one chunk carries the finish / the logprobs
+            if finish or (lp and lp["content"]) or (ids and c.token_ids):
+                deltas = deltas or [{}]  # one chunk carries the finish / logprobs / token ids
             for k, delta in enumerate(deltas):
                 last = k == len(deltas) - 1
-                yield {**base, "choices": [{"index": c.index, "delta": delta,
-                                            "logprobs": lp if k == 0 else None,
-                                            "finish_reason": finish if last else None}]}
+                choice = {"index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                          "finish_reason": finish if last else None}
+                if ids:
+                    choice["token_ids"] = list(c.token_ids) if k == 0 else []
+                yield {**base, "choices": [choice]}
     yield {**base, "choices": [], "usage": usage.body()}
 
 
