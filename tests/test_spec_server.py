@@ -16,6 +16,7 @@ import pytest
 from radixserve.api.protocol import parse_chat, parse_completion
 from radixserve.types import InvalidRequestError
 from tests.server_proc import running_server
+from tests.waiting import wait_until_sync
 
 ISSUE_FLAG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
               '"prompt_lookup_min": 2}')
@@ -59,7 +60,7 @@ def server(request: pytest.FixtureRequest, tiny_llama: Path,
         args += ["--speculative-config", ISSUE_FLAG]
     with running_server(tiny_llama, log, args) as srv:
         if request.param == "flag":
-            assert srv.info()["speculative_config"]["method"] == "ngram"
+            assert srv.info()["engine_config"]["speculative_config"]["method"] == "ngram"
         yield srv.url
     assert srv.proc.returncode == 0, srv.output()
 
@@ -96,8 +97,9 @@ def test_chat_prediction_keeps_the_output_and_counts_accepted_tokens(server: str
     assert details.accepted_prediction_tokens > 0
     assert details.rejected_prediction_tokens >= 0
     assert got.usage.completion_tokens == plain.usage.completion_tokens  # type: ignore
-    accepted = metric(server, "radixserve:spec_decode_num_accepted_tokens_total")
-    assert accepted >= details.accepted_prediction_tokens
+    # The engine's stats reach /metrics shortly after the request (when it goes idle).
+    wait_until_sync(lambda: metric(server, "radixserve:spec_decode_num_accepted_tokens_total")
+                    >= details.accepted_prediction_tokens, timeout=20, what="spec metrics")
     assert metric(server, "radixserve:spec_decode_num_draft_tokens_total") > drafts_before
     assert metric(server, "radixserve:spec_decode_mean_acceptance_length") > 1
 

@@ -47,12 +47,17 @@ class Speculation:
         Returns [] when no request drafts this step."""
         if not any(r.spec is not None for r in reqs):
             return []
-        if not self.gate.allow(len(reqs)):
+        # The gate rules the server's own sources; a client's prediction always drafts (it
+        # asked for it, as OpenAI's Predicted Outputs do).
+        gate_open = self.gate.allow(len(reqs))
+        if not gate_open:
             self.counters["spec_num_skipped_steps"] += 1
-            return []
+            if not any(r.spec is not None and r.spec.prediction is not None for r in reqs):
+                return []
         drafts: list[tuple[int, ...]] = []
         for req in reqs:
-            draft = self._draft(req)
+            predicted = req.spec is not None and req.spec.prediction is not None
+            draft = self._draft(req) if gate_open or predicted else ()
             if draft and not mem.ensure_slots(req, req.num_computed_tokens + 1 + len(draft)):
                 draft = ()  # no room: a draft never preempts anyone
             drafts.append(draft)

@@ -28,7 +28,8 @@ MAX_BACKOFF = 64  # steps a request may go undrafted before it probes again
 MAX_EMPTY_SKIP = 8  # steps skipped at most after searches that found nothing
 GATE_EMA = 0.2  # weight of the newest step in a batch bucket's throughput average
 PROBE_EVERY = 16  # the slower arm of a batch bucket is tried again this often
-MIN_SAMPLES = 3  # steps of each arm before the gate trusts its averages
+MIN_SAMPLES = 4  # steps of each arm before the gate trusts its averages
+OFF_MARGIN = 0.9  # drafting stops only when its steps give < 90% of the plain steps' rate
 
 
 def accept_prefix(draft: Sequence[int], targets: Sequence[int]) -> int:
@@ -113,7 +114,8 @@ class DraftGate:
             return True
         if plain.samples < MIN_SAMPLES:
             return step % 2 == 0  # alternate until the plain arm is measured too
-        better = drafted.rate > plain.rate
+        # Hysteresis against timing noise: off only when clearly slower.
+        better = drafted.rate >= OFF_MARGIN * plain.rate
         return better != (step % PROBE_EVERY == 0)
 
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
