@@ -19,6 +19,7 @@ from radixserve import LLM
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.ipc.messages import GenerateMsg, PinMsg
 from radixserve.types import FinishReason, SamplingParams, TokenOutput
+from tests.test_engine_cache import shared_prefix_prompts
 from tests.test_model_parity import hf_greedy, random_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -224,16 +225,16 @@ def test_preemption_priorities_and_pins(tiny_llama: Path) -> None:
     """A KV pool too small for the batch: requests are retracted and resumed (with their
     drafts' slots given back), priorities order it, a pinned prefix survives; the outputs
     are those of a large pool without speculation."""
-    prompts = random_prompts([100, 120, 90, 110, 60, 100], 250, seed=8)
-    pin_prefix = prompts[0][:64]
+    prompts = shared_prefix_prompts(3, 4, 40, 9, seed=2)  # test_grammar_scheduling's
+    pin_prefix = prompts[0][:32]
 
     def msgs() -> list[GenerateMsg]:
-        return [GenerateMsg(f"p{i}", p, SamplingParams(temperature=0, max_tokens=60,
+        return [GenerateMsg(f"p{i}", p, SamplingParams(temperature=0, max_tokens=120,
                                                        ignore_eos=True), priority=i % 3)
                 for i, p in enumerate(prompts)]
 
     base = tokens(run(make(tiny_llama, None), msgs(), False))
-    llm = make(tiny_llama, {**NGRAM, "method": "auto"}, kv_cache_tokens=400,
+    llm = make(tiny_llama, {**NGRAM, "method": "auto"}, kv_cache_tokens=260,
                max_model_len=256)
     engine = llm.engine
     engine.call(PinMsg("pin", pin_prefix))
@@ -244,4 +245,4 @@ def test_preemption_priorities_and_pins(tiny_llama: Path) -> None:
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_drafts"] > 0
     assert stats["num_pins"] == 1
-    assert llm.engine.cache.peek_prefix_len(pin_prefix) == 64
+    assert llm.engine.cache.peek_prefix_len(pin_prefix) == 32
