@@ -28,6 +28,7 @@ from radixserve.api.fields import (
     parse_token_ids,
 )
 from radixserve.api.keys import MAX_ABS_PRIORITY
+from radixserve.api.prediction import parse_prediction
 from radixserve.api.tools.spec import ToolsSpec, parse_tools
 from radixserve.constraints import Constraint
 from radixserve.grammar.validate import check_constraint
@@ -54,9 +55,9 @@ _SAMPLING_FIELDS = frozenset({
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
                                      "timeout", "return_token_ids"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
-    "prompt", "echo", "logprobs", "response_format"}
+    "prompt", "echo", "logprobs", "response_format", "prediction"}
 CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
-    "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "prediction", "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
@@ -83,6 +84,8 @@ class RequestOptions:
     # vLLM's `return_token_ids`: stream chunks carry each choice's `token_ids` (and its first
     # chunk the `prompt_token_ids`); the router resumes a broken stream from them.
     return_token_ids: bool = False
+    # OpenAI's Predicted Outputs: text the output is expected to repeat (a draft source).
+    prediction: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,8 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
     return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
-                          timeout, bool(get_bool(body, "return_token_ids")))
+                          timeout, bool(get_bool(body, "return_token_ids")),
+                          parse_prediction(body.get("prediction")))
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
