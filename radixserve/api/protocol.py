@@ -24,6 +24,7 @@ from radixserve.api.fields import (
     get_bool,
     get_float,
     get_int,
+    get_str,
     is_int,
     parse_token_ids,
 )
@@ -52,7 +53,7 @@ _SAMPLING_FIELDS = frozenset({
     "max_tokens", "max_completion_tokens", "logit_bias",
 })
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
-                                     "timeout"}
+                                     "timeout", "prompt_cache_key"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "prompt", "echo", "logprobs", "response_format"}
 CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
@@ -80,6 +81,9 @@ class RequestOptions:
     # queue refuses. None: not given (the caller's key decides; auth.Caller.priority_for).
     priority: int | None = None
     timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
+    # OpenAI's cache-routing hint. The router reads it from the body for affinity; a replica
+    # only validates it (its own radix cache finds shared prefixes without a hint).
+    prompt_cache_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -183,7 +187,7 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
     return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
-                          timeout)
+                          timeout, get_str(body, "prompt_cache_key"))
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:
