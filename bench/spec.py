@@ -221,7 +221,8 @@ async def run_all(urls: dict[str, str], args: argparse.Namespace, model: str
 def _serve(args: argparse.Namespace, extra: Sequence[str]) -> SystemSpec:
     return SystemSpec("radixserve-spec" if extra else "radixserve", (
         sys.executable, "-m", "radixserve", "serve", "--model", args.model, "--host",
-        "127.0.0.1", "--port", "{port}", *args.radixserve_args.split(), *extra))
+        "127.0.0.1", "--port", "{port}", *args.radixserve_args.split(), *extra),
+        startup_timeout_s=args.startup_timeout)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--radixserve-args", default="", help="extra flags for both servers")
     p.add_argument("--output-dir", default="bench/results")
+    p.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="seconds a server may take to become healthy")
     args = p.parse_args(argv)
     unknown = set(args.section) - set(SECTIONS)
     if unknown or args.runs < 1:

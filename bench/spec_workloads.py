@@ -8,8 +8,8 @@ a `prediction` is made from a reference answer. Does not know: HTTP, servers, ti
 Why the code edit's prediction is built from the model's own answer: a 135M model does not
 rewrite a file faithfully, so "the original file" would not be ~90% of what it writes. A
 client that knows most of the answer is modelled instead: the reference answer (greedy, no
-speculation) with every `PERTURB_EVERY`-th line changed, so the prediction matches about 90%
-of the answer's lines and diverges in between, as an edit does.
+speculation) with two of its twenty spans changed, so the prediction matches about 90% of the
+answer and diverges in between, as an edit does.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ CODE_FILES: tuple[str, ...] = (
     "        return len(self.items)\n",
 )
 CODE_MAX_TOKENS = 256
-PERTURB_EVERY = 10  # one line in ten of the prediction differs from the answer
+EDITED_SPANS = (5, 14)  # of 20 equal spans of the answer: these two differ in the prediction
 
 
 def code_body(model: str, source: str) -> dict[str, Any]:
@@ -95,12 +95,15 @@ def code_body(model: str, source: str) -> dict[str, Any]:
                           f"```python\n{source}```\n\nCopy the code above, and explain it."}]}
 
 
-def predicted(answer: str, every: int = PERTURB_EVERY) -> str:
-    """`answer` with every `every`-th line (counting from the 5th) replaced by an edit."""
-    lines = answer.split("\n")
-    for i in range(4, len(lines), every):
-        lines[i] = "    # edited: " + lines[i].strip()[::-1]
-    return "\n".join(lines)
+def predicted(answer: str) -> str:
+    """`answer` with two of its twenty spans (by characters) blanked out: the prediction matches
+    about 90% of the answer and diverges twice in between, as an edit does."""
+    n = len(answer)
+    cuts = [n * i // 20 for i in range(21)]
+    parts = [answer[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    for i in EDITED_SPANS:
+        parts[i] = "~" * len(parts[i])
+    return "".join(parts)
 
 
 def overlap(prediction: str, answer: str) -> float:
