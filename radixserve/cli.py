@@ -45,6 +45,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
     ("--tenant-cache-quota", float, "tenant_cache_quota",
      "fraction of the KV pool one API key may keep cached before it is evicted first"),
+    ("--speculative-config", str, "speculative_config",
+     'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; methods: ngram, radix, auto'),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -60,8 +64,12 @@ class EngineConfig:
     # Pinned prefixes (POST /cache/pin) may lock at most this many tokens; None: a quarter of
     # the KV pool, so pins can never starve serving.
     max_pinned_tokens: int | None = None
+    # vLLM's --speculative-config (JSON text or a dict here, parsed into SpeculativeConfig);
+    # None: no server-wide drafting (a request's own `prediction` still drafts).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self._parse_speculative()
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -98,6 +106,17 @@ class EngineConfig:
             raise ConfigError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
+
+
+    def _parse_speculative(self) -> None:
+        value: Any = self.speculative_config
+        if value is None:
+            return
+        from radixserve.spec.config import SpeculativeConfig
+
+        # Built once at the edge: the flag's JSON or the offline API's dict becomes the frozen
+        # SpeculativeConfig (ConfigError when invalid).
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(value))
 
 
 @dataclass(frozen=True)

@@ -195,3 +195,6 @@ class TokenOutput:
     num_cached_tokens: int
     logprobs: TokenLogprobs | None = None
     error: str | None = None  # the request failed (a 400, e.g. its grammar did not compile)
+    # Speculative decoding, over the request so far: draft tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

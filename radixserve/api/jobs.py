@@ -39,6 +39,7 @@ class ChoiceJob:
     stop: tuple[str, ...]
     cache_salt: str
     priority: int = 0
+    prediction_ids: tuple[int, ...] = ()  # OpenAI's `prediction`, tokenized (a draft source)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from radixserve.api.fields import (
     parse_token_ids,
 )
 from radixserve.api.keys import MAX_ABS_PRIORITY
+from radixserve.api.prediction import parse_prediction
 from radixserve.api.tools.spec import ToolsSpec, parse_tools
 from radixserve.constraints import Constraint
 from radixserve.grammar.validate import check_constraint
@@ -55,9 +56,9 @@ _SAMPLING_FIELDS = frozenset({
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
                                      "timeout", "prompt_cache_key"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
-    "prompt", "echo", "logprobs", "response_format"}
+    "prompt", "echo", "logprobs", "response_format", "prediction"}
 CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
-    "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "prediction", "messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
@@ -81,6 +82,8 @@ class RequestOptions:
     # queue refuses. None: not given (the caller's key decides; auth.Caller.priority_for).
     priority: int | None = None
     timeout: float | None = None  # seconds from arrival; the server's --request-timeout caps it
+    # OpenAI's Predicted Outputs: text the output is expected to repeat (a draft source).
+    prediction: str | None = None
     # OpenAI's cache-routing hint. The router reads it from the body for affinity; a replica
     # only validates it (its own radix cache finds shared prefixes without a hint).
     prompt_cache_key: str | None = None
@@ -187,7 +190,8 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
     return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
-                          timeout, get_str(body, "prompt_cache_key"))
+                          timeout, parse_prediction(body.get("prediction")),
+                          get_str(body, "prompt_cache_key"))
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:

@@ -99,6 +99,10 @@ class RadixCache:
         """Unlocked cached tokens per salt (tenant); salts with none are left out."""
         return {salt: n for salt, n in self._evictable_by_salt.items() if n}
 
+    def root_for(self, salt: str) -> TreeNode | None:
+        """The root of a namespace, for read-only walks (speculative drafts); None: empty."""
+        return None if self.disabled else self._roots.get(salt)
+
     def match_prefix(self, token_ids: IntSeq, salt: str = "", priority: int | None = None
                      ) -> MatchResult:
         """The longest cached prefix of token_ids in whole pages; touches it for LRU.

@@ -7,6 +7,7 @@ offline API, tokenizes around it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -60,7 +61,8 @@ class Engine:
         self.grammars = GrammarCompiler(functools.partial(
             _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids))
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
-                                   r.spec.vocab_size, r.eos_token_ids, self.grammars)
+                                   r.spec.vocab_size, r.eos_token_ids, self.grammars,
+                                   cfg.speculative_config)
         self._replies: list[CallResultMsg] = []
         self._pin_prefills: dict[str, PinMsg] = {}  # rid of the prefill request -> the call
 
@@ -80,10 +82,13 @@ class Engine:
             "chunked_prefill_size": self.cfg.chunked_prefill_size,
             "max_running_requests": self.cfg.max_running_requests,
             "vocab_size": r.spec.vocab_size,
+            "speculative_config": (None if self.cfg.speculative_config is None
+                                   else dataclasses.asdict(self.cfg.speculative_config)),
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
-        self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt, msg.priority)
+        self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt, msg.priority,
+                           msg.prediction_ids)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -98,8 +103,11 @@ class Engine:
                 self.grammars.wait_any(GRAMMAR_WAIT_S)
             outputs = self.scheduler.drain_aborted()
         else:
+            start = time.perf_counter()
             result = self.runner.run(batch)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
+            self.scheduler.spec.observe_step(batch, sum(o.token_id is not None for o in outputs),
+                                             time.perf_counter() - start)
         if self._pin_prefills:
             outputs = [o for o in outputs if not self._pin_prefill_done(o)]
         return outputs

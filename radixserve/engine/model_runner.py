@@ -34,6 +34,7 @@ from radixserve.model.spec import ModelSpec, read_model_spec
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.sched.req import Batch, Req
+from radixserve.types import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -180,10 +181,13 @@ class ModelRunner:
             req, n = e.req, e.num_new_tokens
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             assert req.table_row >= 0 and n > 0 and len(req.slots) >= end
-            ids += req.token_ids[start:end]
+            # A draft follows the request's last token; logits at every one of its positions.
+            ids += req.token_ids[start:end] if not e.draft else [req.token_ids[start], *e.draft]
             positions += range(start, end)
             out_slots += req.slots[start:end]
-            if e.sample:
+            if e.draft:
+                logit_rows += range(len(ids) - n, len(ids))
+            elif e.sample:
                 logit_rows.append(len(ids) - 1)
             if e.table_from < start:
                 back.append((req.table_row, e.table_from, req.slots[e.table_from : start]))
@@ -210,8 +214,10 @@ class ModelRunner:
                     first_slot=slots[0] if consecutive else None))
                 for b in members:
                     own_start[b] = length
+        # Verifying drafts is a prefill over a cached prefix, not a one-token decode.
+        phase = Phase.PREFILL if batch.phase is Phase.DECODE and batch.has_drafts else batch.phase
         meta = AttentionMetadata(
-            phase=batch.phase,
+            phase=phase,
             slot_table=self.pool.slot_table,
             rows=rows_t,
             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
@@ -258,11 +264,13 @@ class ModelRunner:
             b_slots, dtype=table.dtype).to(dev, non_blocking=True)
 
     def run(self, batch: Batch) -> SampleResult:
-        """Forward the batch; sample one token for every request with `sample` set, in order."""
+        """Forward the batch; sample one token for every entry with `sample` set, in order (an
+        entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
                                     self.pool.k, self.pool.v, inputs.logit_rows)
-        sampled = [e.req for e in batch.entries if e.sample]
-        if not sampled:
+        picked = [e for e in batch.entries if e.sample]
+        if not picked:
             return SampleResult([], [])
-        return self.sampler.sample(logits, sampled)
+        drafts = [e.draft for e in picked] if batch.has_drafts else None
+        return self.sampler.sample(logits, [e.req for e in picked], drafts)

@@ -9,7 +9,8 @@ Grammar-constrained rows (req.grammar set) are masked first: one bitmask for the
 vectorized masked_fill (radixserve/grammar/mask.py); the matchers are only read here.
 
 Seeds are stateless: a seeded request's generator is reseeded from (seed, tokens so far) at
-every step, so a preempted and recomputed request samples exactly what it would have.
+every step, so a preempted and recomputed request samples exactly what it would have, and a
+speculative step's drafted positions draw what plain steps at those positions would.
 """
 
 from __future__ import annotations
@@ -54,20 +55,31 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
-        """logits: (B, vocab) float32, one row per request, in order."""
+    def sample(self, logits: torch.Tensor, reqs: list[Req],
+               drafts: list[tuple[int, ...]] | None = None) -> SampleResult:
+        """logits: (R, vocab) float32, in order: one row per request, or with `drafts`
+        1 + len(drafts[i]) rows for request i (row j: its next token after drafts[i][:j];
+        speculative verification, see spec/acceptance.py). Returns one token per row."""
         raw = logits
-        mask = build_mask([r.grammar for r in reqs], logits.shape[-1], logits.device)
+        offsets = [0] * len(reqs)
+        if drafts is not None and any(drafts):
+            rows = [(r, j) for r, d in zip(reqs, drafts, strict=True) for j in range(len(d) + 1)]
+            offsets = [j for _, j in rows]
+        else:
+            rows, drafts = [(r, 0) for r in reqs], None
+        row_reqs = [r for r, _ in rows]
+        mask = build_mask([r.grammar for r in reqs], logits.shape[-1], logits.device, drafts)
         if mask is not None:
             # Logprobs stay those of the raw model distribution; copy only when one is asked.
             wants_raw = any(r.grammar is not None and r.params.logprobs is not None for r in reqs)
             with torch.inference_mode():  # logits come out of the forward as inference tensors
                 logits = logits.clone() if wants_raw else logits
                 apply_mask(logits, mask)
-        token_ids = self._choose(logits, reqs)
-        return SampleResult(token_ids, self._logprobs(raw, reqs, token_ids))
+        token_ids = self._choose(logits, row_reqs, offsets)
+        return SampleResult(token_ids, self._logprobs(raw, row_reqs, token_ids))
 
-    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, reqs: list[Req], offsets: list[int]) -> list[int]:
+        """`offsets[i]`: how many draft tokens row i's position lies past reqs[i]'s tokens."""
         params = [r.params for r in reqs]
         if all(p.greedy and not p.needs_penalties and p.min_tokens == 0 and not p.logit_bias
                for p in params):
@@ -76,17 +88,19 @@ class Sampler:
         _add_logit_bias(logits, reqs)
         for i, r in enumerate(reqs):
             if r.params.needs_penalties:
+                assert offsets[i] == 0, "no drafts for requests with penalties"
                 self._apply_penalties(logits[i], r)
-            if r.num_output_tokens < r.params.min_tokens and r.grammar is None:
+            if r.num_output_tokens + offsets[i] < r.params.min_tokens and r.grammar is None:
                 # (a grammar decides where a constrained output may end)
                 banned = list(r.params.stop_token_ids) + list(self.eos_token_ids)
                 logits[i, banned] = float("-inf")
-        token_ids = _greedy(logits)  # (B,)
+        token_ids = _greedy(logits)  # (R,)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [reqs[i] for i in sampled_rows])
-            token_ids[rows] = self._draw(probs, [reqs[i] for i in sampled_rows])
+            token_ids[rows] = self._draw(probs, [reqs[i] for i in sampled_rows],
+                                         [offsets[i] for i in sampled_rows])
         return token_ids.tolist()
 
     def _apply_penalties(self, row: torch.Tensor, req: Req) -> None:
@@ -124,7 +138,7 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, reqs: list[Req], offsets: list[int]) -> torch.Tensor:
         out = torch.empty(len(reqs), dtype=torch.int64, device=probs.device)
         unseeded = [i for i, r in enumerate(reqs) if r.params.seed is None]
         if unseeded:
@@ -132,8 +146,10 @@ class Sampler:
             out[idx] = torch.multinomial(probs[idx], 1, generator=self.generator).squeeze(1)
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
+                # Seeded by the position sampled, so a drafted position draws what a plain
+                # step at that position would (spec/acceptance.py relies on it).
                 g = torch.Generator(device=probs.device)
-                g.manual_seed((r.params.seed * 1_000_003 + r.num_tokens) % (2**63))
+                g.manual_seed((r.params.seed * 1_000_003 + r.num_tokens + offsets[i]) % (2**63))
                 out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         return out
 

@@ -47,6 +47,19 @@ class Matcher:
         """Advance by one sampled token; False if the grammar rejects it (then in error)."""
         return bool(self._m.consume_token(token_id))
 
+    def copy(self) -> Matcher:
+        """An independent matcher in the same state (to look ahead along a draft)."""
+        return Matcher(self._m.deep_copy())
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here (jump-forward); empty when there is a choice.
+        Changes nothing."""
+        return list(self._m.compute_ff_tokens())
+
+    def valid_prefix_len(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the grammar accepts from here; changes nothing."""
+        return int(self._m.validate_tokens(tokens))
+
     def rollback(self, num_tokens: int) -> None:
         ok = self._m.rollback(num_tokens)
         assert ok, self._m.get_error()

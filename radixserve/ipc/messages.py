@@ -19,6 +19,8 @@ class GenerateMsg:
     params: SamplingParams
     cache_salt: str = ""
     priority: int = 0  # lower = more important (vLLM's convention)
+    # OpenAI's `prediction`, tokenized: a draft source for this request (speculative decoding)
+    prediction_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,16 @@ class MemoryManager:
         req.slots.extend(self.allocator.pages_to_slots(pages))
         return True
 
+    def trim_slots(self, req: Req, upto: int) -> None:
+        """Free the request's slots past position `upto` (rounded up to a page): drafts the
+        target model rejected. Only held slots past req.num_computed_tokens can go."""
+        keep = -(-upto // self.page) * self.page
+        assert keep >= req.num_computed_tokens >= req.num_tree_tokens
+        extra = req.slots[keep:]
+        if extra:
+            del req.slots[keep:]
+            self.allocator.free(self.allocator.slots_to_pages(extra))
+
     def available_tokens(self) -> int:
         return self.allocator.num_free_slots + self.cache.evictable_size
 

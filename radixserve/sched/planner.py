@@ -23,6 +23,7 @@ from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ScheduledReq
+from radixserve.sched.speculation import Speculation
 from radixserve.types import Phase
 
 if TYPE_CHECKING:
@@ -47,9 +48,11 @@ class StepPlan:
 
 class BatchPlanner:
     def __init__(self, cfg: EngineConfig, mem: MemoryManager, grammars: GrammarCompiler | None,
-                 waiting: deque[Req], prefilling: list[Req], running: list[Req]) -> None:
+                 waiting: deque[Req], prefilling: list[Req], running: list[Req],
+                 spec: Speculation | None = None) -> None:
         self.cfg = cfg
         self.mem = mem
+        self.spec = spec  # drafts for decode steps (speculative decoding), like mem: a helper
         self.grammars = grammars
         self.waiting = waiting
         self.prefilling = prefilling  # admitted, prompt not fully computed (chunked)
@@ -168,7 +171,12 @@ class BatchPlanner:
                 continue  # retracted to make room for an earlier one
             if not self._ensure_or_retract(plan, req, req.num_computed_tokens + 1, []):
                 raise RuntimeError("KV pool too small for a single request")  # sized at start
-        return Batch(Phase.DECODE, [_entry(r, 1, sample=True) for r in self.running])
+        # Drafts only after every request has its own next slot: a draft never preempts.
+        drafts = self.spec.draft_decodes(self.running, self.mem) if self.spec else []
+        if not drafts:
+            return Batch(Phase.DECODE, [_entry(r, 1, sample=True) for r in self.running])
+        return Batch(Phase.DECODE, [_entry(r, 1 + len(d), sample=True, draft=d)
+                                    for r, d in zip(self.running, drafts, strict=True)])
 
     def _ensure_or_retract(self, plan: StepPlan, req: Req, upto: int, keep: list[Req]) -> bool:
         """Slots for req up to `upto`, retracting other live requests (never those in `keep`)
@@ -202,7 +210,7 @@ class BatchPlanner:
         plan.moves.append((Move.RETRACT, req))
 
 
-def _entry(req: Req, n: int, sample: bool) -> ScheduledReq:
+def _entry(req: Req, n: int, sample: bool, draft: tuple[int, ...] = ()) -> ScheduledReq:
     # The runner rewrites the slot table from the first position it does not hold yet.
     return ScheduledReq(req, n, sample, table_from=min(req.num_table_slots,
-                                                       req.num_computed_tokens))
+                                                       req.num_computed_tokens), draft=draft)

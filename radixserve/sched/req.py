@@ -17,6 +17,7 @@ from radixserve.types import FinishReason, Phase, SamplingParams
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import TreeNode
     from radixserve.grammar.backend import Matcher
+    from radixserve.spec.drafter import SpecState
 
 
 class ReqStatus(enum.Enum):
@@ -63,6 +64,9 @@ class Req:
     # advanced with each output token, dropped at finish. Kept across retraction (the output
     # tokens are kept too, so it stays exact).
     grammar: Matcher | None = None
+    # Speculative decoding: its prediction, alignment, adaptive draft length and counts;
+    # None when nothing drafts for it (no --speculative-config and no prediction).
+    spec: SpecState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,12 +103,16 @@ class ScheduledReq:
     `sample`: a token is sampled after them (its prompt's last chunk, or a decode).
     `table_from`: positions [table_from, num_computed_tokens + num_new_tokens) of req.slots
     must be (re)written into req.table_row of the slot table before the forward.
+    `draft` (a decoding request's speculation): the tokens computed after its last one,
+    num_new_tokens == 1 + len(draft), a token sampled at every one of those positions (their
+    verification). Draft tokens are not in req.token_ids until accepted.
     """
 
     req: Req
     num_new_tokens: int
     sample: bool
     table_from: int
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,6 +139,10 @@ class Batch:
     @property
     def new_token_counts(self) -> list[int]:
         return [e.num_new_tokens for e in self.entries]
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(e.draft for e in self.entries)
 
     @property
     def size(self) -> int:

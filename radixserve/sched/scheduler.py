@@ -41,6 +41,8 @@ from radixserve.sched.pins import PinTable
 from radixserve.sched.planner import BatchPlanner, Move, StepPlan
 from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.sched.request_rules import checked_max_new_tokens, stop_reason
+from radixserve.sched.speculation import Speculation
+from radixserve.spec.config import SpeculativeConfig
 from radixserve.types import (
     FinishReason,
     InvalidRequestError,
@@ -55,11 +57,13 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
         # One slot-table row per running request (the model runner's table has as many).
         self.mem = MemoryManager(allocator, cache, cfg.max_running_requests,
                                  cfg.disable_radix_cache)
+        self.spec = Speculation(speculative, cache, max_model_len)
         max_pinned = cfg.max_pinned_tokens
         if max_pinned is None:
             max_pinned = allocator.num_pages * allocator.page_size // 4
@@ -76,7 +80,7 @@ class Scheduler:
         self.aborted: list[tuple[Req, str | None]] = []
         self.counters = EngineCounters()
         self.planner = BatchPlanner(cfg, self.mem, grammars, self.waiting, self.prefilling,
-                                    self.running)
+                                    self.running, self.spec)
 
     @property
     def grammars(self) -> GrammarCompiler | None:
@@ -90,7 +94,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            cache_salt: str = "", priority: int = 0) -> Req:
+            cache_salt: str = "", priority: int = 0,
+            prediction_ids: list[int] | None = None) -> Req:
         """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
         if rid in self.reqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
@@ -102,6 +107,7 @@ class Scheduler:
         req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
                   max_new_tokens=max_new, cache_salt=cache_salt, priority=priority,
                   arrival=time.monotonic())
+        self.spec.on_add(req, prediction_ids)
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
@@ -165,11 +171,18 @@ class Scheduler:
 
     def process_outputs(self, batch: Batch, token_ids: list[int],
                         logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
+        """One token per sampled row: one per request with `sample` set, or 1 + len(draft)
+        for a request with a draft (its verification: spec/acceptance.py)."""
         outputs = self.drain_aborted()
         sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=True))
         self.counters.computed_tokens += batch.num_tokens
         for i, entry in enumerate(batch.entries):
             req = entry.req
+            if entry.draft:
+                rows = [next(sampled) for _ in range(entry.num_new_tokens)]
+                if req.status is not ReqStatus.FINISHED:
+                    outputs += self._keep_verified(req, entry.draft, rows)
+                continue
             req.num_computed_tokens += entry.num_new_tokens
             req.num_table_slots = req.num_computed_tokens  # the runner wrote the table row
             prefill = batch.is_prefill(i)
@@ -180,18 +193,44 @@ class Scheduler:
             token, lp = next(sampled)
             if req.status is ReqStatus.FINISHED:
                 continue  # aborted while its forward ran
-            req.token_ids.append(token)
-            self.counters.generation_tokens += 1
-            reason = stop_reason(req, token, self.eos_token_ids, self.max_model_len)
             if prefill:
                 self.prefilling.remove(req)
                 self.running.append(req)
-            if reason is not None:
-                self._drop_live(req)
-                self.mem.release(req)
-                self._finish(req, reason)
-            outputs.append(TokenOutput(req.rid, token, reason, req.num_prompt_tokens,
-                                       req.num_cached_tokens, lp))
+            out = self._append(req, token, lp)
+            if out.finish_reason is None:
+                self.spec.on_tokens(req, token)
+            outputs.append(out)
+        return outputs
+
+    def _append(self, req: Req, token: int, lp: TokenLogprobs | None) -> TokenOutput:
+        """Append one kept token, apply the stop rules; finish the request if one fires."""
+        req.token_ids.append(token)
+        self.counters.generation_tokens += 1
+        reason = stop_reason(req, token, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self._drop_live(req)
+            self.mem.release(req)
+            self._finish(req, reason)
+        spec = req.spec
+        return TokenOutput(req.rid, token, reason, req.num_prompt_tokens, req.num_cached_tokens,
+                           lp, num_draft_tokens=spec.num_drafted if spec else 0,
+                           num_accepted_draft_tokens=spec.num_accepted if spec else 0)
+
+    def _keep_verified(self, req: Req, draft: tuple[int, ...],
+                       rows: list[tuple[int, TokenLogprobs | None]]) -> list[TokenOutput]:
+        """A running request's verified draft: keep the accepted tokens and the next one,
+        each through the stop rules (a stop ends it mid-way; the rest is dropped)."""
+        kept = self.spec.verify(req, draft, [t for t, _ in rows])
+        outputs: list[TokenOutput] = []
+        for token, (_, lp) in zip(kept, rows, strict=False):
+            # This forward computed KV for every token before `token`: the last one and the
+            # accepted drafts (token is kept[j], whose draft twin was accepted for j < last).
+            req.num_computed_tokens = req.num_table_slots = req.num_tokens
+            out = self._append(req, token, lp)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                return outputs
+        self.spec.after_tokens(req, kept, self.mem)
         return outputs
 
     def drain_aborted(self) -> list[TokenOutput]:
@@ -208,6 +247,7 @@ class Scheduler:
             self.prefilling.remove(req)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        self.spec.on_finish(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         req.grammar = None  # the matcher's lifetime ends with the request
@@ -230,7 +270,7 @@ class Scheduler:
             "num_running": len(live), "num_waiting": len(self.waiting),
             "kv_total_tokens": kv.total, "kv_free_tokens": kv.free,
             "kv_cached_tokens": kv.cached, "kv_evictable_tokens": kv.evictable,
-            "kv_held_tokens": kv.held, **self.counters.as_stats(),
+            "kv_held_tokens": kv.held, **self.counters.as_stats(), **self.spec.stats(),
             # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
             "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
             "num_pins": len(self.pins.pins), "pinned_tokens": self.pins.pinned_tokens,

@@ -46,6 +46,9 @@ class ChoiceChunk:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding over the choice so far: draft tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class _Timer:
@@ -80,7 +83,8 @@ async def stream_choice(client: GenerateClient, tokenizer: Decoder, job: ChoiceJ
     stopper = StopMatcher(job.stop)
     hidden = set(hidden_ids) | set(job.params.stop_token_ids)
     timer = _Timer(metrics, time.perf_counter() if arrival is None else arrival)
-    msg = GenerateMsg(job.rid, list(job.prompt_ids), job.params, job.cache_salt, job.priority)
+    msg = GenerateMsg(job.rid, list(job.prompt_ids), job.params, job.cache_salt, job.priority,
+                      list(job.prediction_ids) or None)
     chunk = ChoiceChunk(job.index, "")
     first, finish = True, None
     try:
@@ -105,6 +109,8 @@ async def stream_choice(client: GenerateClient, tokenizer: Decoder, job: ChoiceJ
                     chunk.text, chunk.finish_reason = result.text, finish
                     chunk.num_prompt_tokens = out.num_prompt_tokens
                     chunk.num_cached_tokens = out.num_cached_tokens
+                    chunk.num_draft_tokens = out.num_draft_tokens
+                    chunk.num_accepted_draft_tokens = out.num_accepted_draft_tokens
                     yield chunk
                     chunk, first = ChoiceChunk(job.index, ""), False
                 if finish:

@@ -28,7 +28,15 @@ _ENGINE_COUNTERS = {
     "prompt_tokens": "Prompt tokens admitted.",
     "generation_tokens": "Tokens generated.",
     "num_aborted_requests": "Requests the engine aborted (client gone, cancelled).",
+    # Speculative decoding (vLLM's names): drafts verified, their tokens, those accepted.
+    "spec_decode_num_drafts": "Speculative drafts verified (one per request and step).",
+    "spec_decode_num_draft_tokens": "Speculative draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Speculative draft tokens accepted.",
 }
+# Metric name -> the engine stats key, where they differ.
+_COUNTER_KEYS = {"spec_decode_num_drafts": "spec_num_drafts",
+                 "spec_decode_num_draft_tokens": "spec_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens": "spec_num_accepted_tokens"}
 _ENGINE_GAUGES = {
     "engine_integrity_ok": ("integrity_ok", "1 if the engine's last idle integrity check "
                                             "(pages free + cached + held == total) passed."),
@@ -40,6 +48,9 @@ _ENGINE_GAUGES = {
                                   "Cached KV slots not locked by a request."),
     "kv_cache_held_tokens": ("kv_held_tokens", "KV slots held by running requests only."),
     "kv_cache_total_tokens": ("kv_total_tokens", "KV slots in the pool."),
+    "spec_decode_mean_acceptance_length": (
+        "spec_mean_acceptance_length", "Tokens kept per verified draft (1 + accepted / drafts), "
+        "since start; 0 before the first draft."),
 }
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -58,7 +69,8 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for name, doc in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(name, 0)))
+            value = float(stats.get(_COUNTER_KEYS.get(name, name), 0))
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
         for name, (key, doc) in _ENGINE_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats[key]))

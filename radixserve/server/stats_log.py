@@ -44,6 +44,8 @@ class StatsLogger:
 
         prompt, gen = delta("prompt_tokens"), delta("generation_tokens")
         queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+        drafts, drafted = delta("spec_num_drafts"), delta("spec_num_draft_tokens")
+        accepted = delta("spec_num_accepted_tokens")
         self._prev, self._prev_time = stats, now
         running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
         if not (prompt or gen or running or waiting):
@@ -54,11 +56,16 @@ class StatsLogger:
         kv_total = stats.get("kv_total_tokens") or 1
         usage = 100.0 * stats.get("kv_held_tokens", 0) / kv_total
         cached = 100.0 * stats.get("kv_cached_tokens", 0) / kv_total
-        return (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+        text = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {gen / elapsed:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {usage:.1f}% held, {cached:.1f}% cached, "
                 f"Prefix cache hit rate: {hit_rate:.1f}%")
+        if drafts:  # vLLM's SpecDecoding line, over this interval
+            text += (f"; SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                     f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                     f"Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}%")
+        return text
 
     async def run(self) -> None:
         while True:

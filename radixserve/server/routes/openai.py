@@ -6,6 +6,7 @@ Does not know: how tokens are produced (ServerState and choice_stream.py do that
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -34,9 +35,13 @@ class Usage:
         self._prompt_of = {j.index: j.prompt_index for j in jobs}
         self._cached: dict[int, int] = {}
         self.completion_tokens = 0
+        self._predicted = any(j.prediction_ids for j in jobs)
+        self._drafts: dict[int, tuple[int, int]] = {}  # choice -> (drafted, accepted)
 
     def add(self, chunk: ChoiceChunk) -> None:
         self.completion_tokens += len(chunk.token_ids)
+        if chunk.num_draft_tokens:
+            self._drafts[chunk.index] = (chunk.num_draft_tokens, chunk.num_accepted_draft_tokens)
         if chunk.token_ids:
             p = self._prompt_of[chunk.index]
             self._cached[p] = min(self._cached.get(p, chunk.num_cached_tokens),
@@ -44,9 +49,17 @@ class Usage:
 
     def body(self) -> dict[str, Any]:
         prompt = sum(self._prompt_len.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self._cached.values())}}
+        if self._predicted or self._drafts:
+            # OpenAI's Predicted Outputs counts; here over every draft verified (the
+            # prediction's, and the server's own sources under --speculative-config).
+            drafted = sum(d for d, _ in self._drafts.values())
+            accepted = sum(a for _, a in self._drafts.values())
+            body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                 "rejected_prediction_tokens": drafted - accepted}
+        return body
 
 
 class CompletionLogprobs:
@@ -99,7 +112,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [await state.encode(p) for p in req.prompts]
     if isinstance(req.prompts[0], str):
         request[PREVIEW_FIELD] = req.prompts[0]
-    jobs = state.caller_jobs(request, prompts, req.opts, "prompt")
+    jobs = await with_prediction(state, state.caller_jobs(request, prompts, req.opts, "prompt"),
+                                 req.opts.prediction)
     echo = None
     if req.echo:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(list(p)) for p in req.prompts]
@@ -185,9 +199,19 @@ async def chat_jobs(request: web.Request, state: ServerState, req: ChatRequest,
     state.check_model(req.opts.model)
     prompt = await state.encode_messages(req.messages, req.tools, req.template)
     request[PREVIEW_FIELD] = req.messages[-1]["content"]
-    jobs = state.caller_jobs(request, [prompt], req.opts, param)
+    jobs = await with_prediction(state, state.caller_jobs(request, [prompt], req.opts, param),
+                                 req.opts.prediction)
     calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
     return jobs, calls
+
+
+async def with_prediction(state: ServerState, jobs: list[ChoiceJob],
+                          text: str | None) -> list[ChoiceJob]:
+    """Every choice drafts from the request's `prediction` (tokenized as output text)."""
+    if not text:
+        return jobs
+    ids = tuple(await state.encode(text, add_special_tokens=False))
+    return [dataclasses.replace(j, prediction_ids=ids) for j in jobs]
 
 
 def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:

@@ -1,0 +1,127 @@
+"""Verification and adaptivity: which drafted tokens are kept, how long the next draft is,
+and whether drafting pays at all for this batch.
+
+Owns: accept_prefix (the acceptance rule), DraftLength (per request: the draft length from its
+recent acceptance, and a backoff that switches drafting off for a request that keeps missing),
+and DraftGate (per batch size: measured output tokens per second of steps with and without
+drafts; drafting stays off where it is slower, e.g. a compute-bound large batch on CPU, and is
+re-probed now and then). Does not know: tensors, the tree, requests' lifetimes.
+
+The acceptance rule is speculative (rejection) sampling for a draft that is a point mass q = 1
+on token d: accept d with probability min(1, p(d) / q(d)) = p(d); on rejection sample from the
+residual max(0, p - q), i.e. p without d, renormalized. The sampler realizes it by drawing the
+target token x ~ p at every drafted position (with the same per-position seeded generator a
+non-speculative step uses) and accepting d exactly when x == d: P(accept) = p(d), and a
+rejected position emits x, distributed as p conditioned on x != d, the residual. So the output
+distribution is unchanged, and a seeded request yields the same tokens with speculation on or
+off. Greedy is the limit case: x = argmax p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+EMA = 0.5  # weight of the newest step in a request's acceptance average
+OFF_BELOW = 0.25  # a request's mean accepted fraction below this: drafting backs off
+MAX_BACKOFF = 64  # steps a request may go undrafted before it probes again
+MAX_EMPTY_SKIP = 8  # steps skipped at most after searches that found nothing
+GATE_EMA = 0.2  # weight of the newest step in a batch bucket's throughput average
+PROBE_EVERY = 16  # the slower arm of a batch bucket is tried again this often
+MIN_SAMPLES = 4  # steps of each arm before the gate trusts its averages
+OFF_MARGIN = 0.9  # drafting stops only when its steps give < 90% of the plain steps' rate
+
+
+def accept_prefix(draft: Sequence[int], targets: Sequence[int]) -> int:
+    """Leading draft tokens equal to the target tokens at their positions.
+
+    targets[j] is the token the target model chose after the sequence extended by
+    draft[:j]; len(targets) == len(draft) + 1. The request keeps targets[: result + 1]."""
+    assert len(targets) == len(draft) + 1, (len(draft), len(targets))
+    n = 0
+    for d, t in zip(draft, targets, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class DraftLength:
+    """One request's adaptive draft length (owned through its SpecState)."""
+
+    max_len: int
+    mean_accepted: float = 1.0  # fraction of drafted tokens accepted, smoothed
+    backoff: int = 0  # current backoff length in steps (0: drafting on)
+    skip: int = 0  # steps left before the next probe
+    empty_streak: int = 0  # consecutive steps whose sources found nothing to draft
+
+    def next_len(self) -> int:
+        """The draft length to ask for this step (0: do not draft; counts a skipped step)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return 0
+        return max(1, min(self.max_len, round(self.mean_accepted * self.max_len) + 1))
+
+    def observe_empty(self) -> None:
+        """The sources found no draft: look again less often while that lasts (a search is
+        cheap, but at a large batch of unpredictable requests it would add up)."""
+        self.empty_streak += 1
+        self.skip = min(MAX_EMPTY_SKIP, self.empty_streak // 2)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.empty_streak = 0
+        rate = num_accepted / num_drafted
+        self.mean_accepted = (1 - EMA) * self.mean_accepted + EMA * rate
+        if self.mean_accepted < OFF_BELOW:
+            self.backoff = min(MAX_BACKOFF, max(2, self.backoff * 2))
+            self.skip = self.backoff
+        elif rate > 0:
+            self.backoff = 0
+
+
+@dataclass
+class _Arm:
+    rate: float = 0.0  # output tokens per second, smoothed
+    samples: int = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        value = tokens / max(seconds, 1e-9)
+        self.rate = value if self.samples == 0 else (1 - GATE_EMA) * self.rate + GATE_EMA * value
+        self.samples += 1
+
+
+class DraftGate:
+    """Per batch-size bucket (powers of two): draft only where steps with drafts have given
+    more output tokens per second than steps without. Both arms are measured while learning;
+    after that the losing arm is probed every PROBE_EVERY steps of its bucket."""
+
+    def __init__(self) -> None:
+        self._arms: dict[int, tuple[_Arm, _Arm]] = {}  # bucket -> (plain, drafted)
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return max(1, batch_size).bit_length()
+
+    def allow(self, batch_size: int) -> bool:
+        b = self.bucket(batch_size)
+        plain, drafted = self._arms.setdefault(b, (_Arm(), _Arm()))
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        if drafted.samples < MIN_SAMPLES:
+            return True
+        if plain.samples < MIN_SAMPLES:
+            return step % 2 == 0  # alternate until the plain arm is measured too
+        # Hysteresis against timing noise: off only when clearly slower.
+        better = drafted.rate >= OFF_MARGIN * plain.rate
+        return better != (step % PROBE_EVERY == 0)
+
+    def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One decode step's result: `tokens` output tokens in `seconds`."""
+        arms = self._arms.setdefault(self.bucket(batch_size), (_Arm(), _Arm()))
+        arms[1 if drafted else 0].observe(tokens, seconds)
+
+    def snapshot(self) -> dict[int, tuple[float, float]]:
+        return {b: (p.rate, d.rate) for b, (p, d) in self._arms.items()}
