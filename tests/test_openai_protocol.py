@@ -101,7 +101,7 @@ def test_completion_rejects(body: Any, param: str | None) -> None:
 @pytest.mark.parametrize("field", [
     {"tools": [{"type": "function"}]}, {"best_of": 2}, {"suffix": "x"},
     {"response_format": {"type": "yaml"}}, {"functions": [{}]}, {"whatever": 1},
-    {"guided_json": ""}, {"prediction": {"type": "content"}}, {"tool_choice": "auto"},
+    {"guided_json": ""}, {"tool_choice": "auto"},
 ])
 def test_unsupported_fields_are_named(field: dict[str, Any]) -> None:
     (name,) = field
