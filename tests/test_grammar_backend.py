@@ -130,6 +130,8 @@ L2 = L1 + '; {"name": "now", "parameters": {}}'
     (ToolMode.REQUIRED, "hermes", HBAD, False),
     (ToolMode.NAMED, "hermes", H1, True),
     (ToolMode.NAMED, "hermes", H2, False),  # "now" is not the named tool
+    (ToolMode.NAMED, "hermes", H1 + "\n" + H1, False),  # named: one call, even when parallel
+    (ToolMode.REQUIRED, "hermes", H1 + "\n" + H1, True),  # required keeps parallel calls
     (ToolMode.AUTO, "llama3_json", "It is sunny.", True),
     (ToolMode.AUTO, "llama3_json", L2, True),
     (ToolMode.AUTO, "llama3_json", '{"name": "nope", "parameters": {}}', False),
@@ -137,6 +139,7 @@ L2 = L1 + '; {"name": "now", "parameters": {}}'
     (ToolMode.REQUIRED, "llama3_json", "It is sunny.", False),
     (ToolMode.NAMED, "llama3_json", L1, True),
     (ToolMode.NAMED, "llama3_json", L2, False),
+    (ToolMode.NAMED, "llama3_json", L1 + "; " + L1, False),
 ])
 def test_tool_call_grammars(backend: GrammarBackend, tok: PreTrainedTokenizerBase,
                             mode: ToolMode, fmt: str, text: str, valid: bool) -> None:
@@ -151,6 +154,16 @@ def test_single_call_when_not_parallel(backend: GrammarBackend,
         parallel=False))
     m = backend.compile(c).matcher()
     assert feed(m, tok, H1) and can_end(m)
+    assert allowed(m) == {EOS}
+
+
+@pytest.mark.parametrize(("fmt", "call"), [("hermes", H1), ("llama3_json", L1)])
+def test_named_choice_ends_after_one_call(backend: GrammarBackend, tok: PreTrainedTokenizerBase,
+                                          fmt: str, call: str) -> None:
+    """A named tool choice is exactly one call (vLLM's rule) even with parallel_tool_calls:
+    after the call only the end of the output is allowed."""
+    m = backend.compile(tools(ToolMode.NAMED, fmt)).matcher()  # parallel=True
+    assert feed(m, tok, call) and m.can_end
     assert allowed(m) == {EOS}
 
 

@@ -194,9 +194,11 @@ def test_required_and_named_tool_calls_always_validate(llm: LLM) -> None:
         bodies = HERMES_CALL.findall(res.text)
         # nothing but calls, "\n" between parallel ones
         assert bodies and res.text == "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
+        assert p.constraint is not None and p.constraint.tool_calls is not None
+        if p.constraint.tool_calls.mode is ToolMode.NAMED:
+            assert len(bodies) == 1, res.text  # exactly one call, though parallel is allowed
         for body in bodies:
             call = json.loads(body)
-            assert p.constraint is not None and p.constraint.tool_calls is not None
             if p.constraint.tool_calls.mode is ToolMode.NAMED:
                 assert call["name"] == "get_weather"
             jsonschema.validate(call["arguments"], schemas[call["name"]])

@@ -3,7 +3,8 @@
 Owns: the field policy (so that nothing that would change the output is silently dropped):
 - the caller's supported fields are parsed and validated by the caller;
 - IGNORED_FIELDS never change the generated tokens and are accepted and ignored:
-  user, metadata, store, service_tier, parallel_tool_calls;
+  user, safety_identifier (OpenAI's successor of `user`), metadata, store, service_tier,
+  parallel_tool_calls;
 - NEUTRAL_ONLY fields are accepted only at their no-op value (best_of 1, suffix "",
   response_format {"type": "text"}, tools [], tool_choice "none", ...);
 - every other field is rejected with 400 naming it.
@@ -17,7 +18,8 @@ from typing import Any
 
 from radixserve.types import InvalidRequestError
 
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
+                            "parallel_tool_calls"})
 NEUTRAL_ONLY: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
@@ -61,6 +63,15 @@ def get_float(body: dict[str, Any], name: str, param: str | None = None) -> floa
     if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
         raise bad(f"'{param}' must be a number, got {type(value).__name__}", param)
     return float(value)
+
+
+def get_str(body: dict[str, Any], name: str, param: str | None = None) -> str | None:
+    """The string field `name`, or None when absent or null."""
+    value = body.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    param = param or name
+    raise bad(f"'{param}' must be a string, got {type(value).__name__}", param)
 
 
 def get_bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:

@@ -24,6 +24,7 @@ from radixserve.api.fields import (
     get_bool,
     get_float,
     get_int,
+    get_str,
     is_int,
     parse_token_ids,
 )
@@ -53,7 +54,7 @@ _SAMPLING_FIELDS = frozenset({
     "max_tokens", "max_completion_tokens", "logit_bias",
 })
 _OPENAI_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "priority",
-                                     "timeout", "return_token_ids"}
+                                     "timeout", "return_token_ids", "prompt_cache_key"}
 COMPLETION_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "prompt", "echo", "logprobs", "response_format", "prediction"}
 CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
@@ -86,6 +87,9 @@ class RequestOptions:
     return_token_ids: bool = False
     # OpenAI's Predicted Outputs: text the output is expected to repeat (a draft source).
     prediction: str | None = None
+    # OpenAI's cache-routing hint. The router reads it from the body for affinity; a replica
+    # only validates it (its own radix cache finds shared prefixes without a hint).
+    prompt_cache_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,7 @@ def _parse_options(body: dict[str, Any], default_max_tokens: int | None,
         raise bad(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", "timeout")
     return RequestOptions(model, params, n, _parse_stop(body), stream, include_usage, priority,
                           timeout, bool(get_bool(body, "return_token_ids")),
-                          parse_prediction(body.get("prediction")))
+                          parse_prediction(body.get("prediction")), get_str(body, "prompt_cache_key"))
 
 
 def _parse_prompts(value: Any) -> tuple[PromptInput, ...]:

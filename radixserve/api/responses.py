@@ -26,10 +26,12 @@ _SAMPLING_EXTRAS = frozenset({
     "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens", "logit_bias",
     "priority", "timeout",
 })
-_PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_calls"})
+# Passed on to the chat body, which validates them (prompt_cache_key: a string, see protocol).
+_PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_calls",
+                     "prompt_cache_key"})
 _HANDLED = frozenset({"input", "instructions", "max_output_tokens", "tools", "tool_choice",
-                      "text", "store", "metadata", "user", "service_tier", "prompt_cache_key",
-                      "safety_identifier", "include", "top_logprobs"})
+                      "text", "store", "metadata", "user", "service_tier", "safety_identifier",
+                      "include", "top_logprobs"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served
 # Accepted at their no-op value only: anything else asks for what this server does not do.
 _NEUTRAL: dict[str, tuple[Any, str]] = {

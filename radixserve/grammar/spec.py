@@ -11,7 +11,9 @@ Tool-call output formats (what the tool-call parsers read back):
   separated by "\n" when parallel.
 - llama3_json: `{"name": "<fn>", "parameters": {...}}`, several separated by "; ".
 Mode auto (hermes): free text; once the model writes `<tool_call>` the rest is calls. Mode
-auto (llama3_json): free text that does not start with "{", or calls.
+auto (llama3_json): free text that does not start with "{", or calls. Mode named is exactly one
+call whatever `parallel` says (as vLLM's named tool choice): the grammar then only allows the
+end of the output, so a model that would repeat the call cannot.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def tool_call_lark(tc: ToolCallConstraint) -> str:
     if not hermes and tc.call_format != "llama3_json":
         raise ValueError(f"unknown tool-call format {tc.call_format!r}")
     args_key = "arguments" if hermes else "parameters"
+    several = tc.parallel and tc.mode is not ToolMode.NAMED
     lines = ["%llguidance {}"]
     fns = []
     for i, tool in enumerate(tc.tools):
@@ -106,7 +109,7 @@ def tool_call_lark(tc: ToolCallConstraint) -> str:
     if hermes:
         lines.append(f'call_body: "\\n" fn "\\n{HERMES_CLOSE}"')
         lines.append(f'call: "{HERMES_OPEN}" call_body')
-        more = '("\\n" call)*' if tc.parallel else ""
+        more = '("\\n" call)*' if several else ""
         if tc.mode is ToolMode.AUTO:
             # The lazy lexeme ends at the first "<tool_call>": text before it is free, the
             # call after it is constrained. TEXT alone is the no-call answer.
@@ -116,7 +119,7 @@ def tool_call_lark(tc: ToolCallConstraint) -> str:
         else:
             lines.append(f"start: call {more}")
     else:
-        more = f'("{LLAMA3_SEPARATOR}" fn)*' if tc.parallel else ""
+        more = f'("{LLAMA3_SEPARATOR}" fn)*' if several else ""
         if tc.mode is ToolMode.AUTO:
             lines.append("TEXT: /([^{](.|\\n)*)?/")
             lines.append(f"start: TEXT | fn {more}")

@@ -5,7 +5,7 @@ Owns: validating them (every error names its field: `tools[i].function.parameter
   none     -> no constraint, no parsing (the tools are still shown to the model, as OpenAI does)
   auto     -> ToolMode.AUTO: text, or calls that the grammar constrains once opened
   required -> ToolMode.REQUIRED: one or more calls to any tool, nothing else
-  {"type": "function", "function": {"name": N}} -> ToolMode.NAMED: calls to N only
+  {"type": "function", "function": {"name": N}} -> ToolMode.NAMED: exactly one call, to N
 Does not know: prompts (prompt.py), output parsing (parsers.py), HTTP.
 """
 
