@@ -36,10 +36,12 @@ from radixserve.cache.radix_types import (
     InsertResult,
     IntSeq,
     MatchResult,
+    TierHooks,
     TreeNode,
     to_array,
 )
-from radixserve.cache.radix_walk import child_key, iter_nodes, path_concat, walk
+from radixserve.cache.radix_walk import child_key, has_pool_child, iter_nodes, path_concat, walk
+from radixserve.cache.tiers.keys import Tier
 
 __all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "RadixCache",
            "TreeNode"]
@@ -64,6 +66,7 @@ class RadixCache:
         on_event: Callable[[CacheEvent], None] | None = None,
         eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
         tenant_quota_tokens: int | None = None,
+        tiers: TierHooks | None = None, pool_medium: str | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -79,6 +82,12 @@ class RadixCache:
         self.tenant_quota_tokens = tenant_quota_tokens
         self._evictable_by_salt: dict[str, int] = {}
         self._queue = EvictionQueue(EvictionPolicy(eviction_policy))
+        # Tiers below the pool (None: eviction drops). An evicted node the tiers took stays
+        # in the tree, offloaded; these index its blocks and count its tokens.
+        self._tiers = tiers
+        self._pool_medium = pool_medium
+        self._tier_keys: dict[str, TreeNode] = {}
+        self._tier_tokens: dict[Tier, int] = {}
 
     @property
     def evictable_size(self) -> int:
@@ -93,6 +102,11 @@ class RadixCache:
     @property
     def total_size(self) -> int:
         return self._evictable_size + self._protected_size
+
+    @property
+    def tier_tokens(self) -> dict[Tier, int]:
+        """Tokens of offloaded nodes (in the tree, KV only in a tier), by tier."""
+        return {t: n for t, n in self._tier_tokens.items() if n}
 
     @property
     def evictable_by_salt(self) -> dict[str, int]:
@@ -150,9 +164,14 @@ class RadixCache:
         tick = self._tick()
         node, num_cached = walk(root, query, tick, self.page_size)
         if num_cached < aligned_len:
+            stale = node.children.get(child_key(query, num_cached, self.page_size))
+            if stale is not None:  # offloaded: the pool copy being inserted replaces it
+                self._drop_offloaded(stale)
             value = to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
             self._assert_whole_pages(value)
             node = self._add_leaf(node, query[num_cached:], value, tick, priority)
+            if self._tiers is not None:
+                self._tiers.on_insert(query, path_concat(node, values=True), num_cached, salt)
         return InsertResult(num_cached, node)
 
     def lock(self, node: TreeNode) -> None:
@@ -173,7 +192,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected_size -= len(node.key)
                 self._count_evictable(node, len(node.key))
-                if not node.children:
+                if not has_pool_child(node):
                     self._queue.add(node)
             node = node.parent
 
@@ -187,9 +206,19 @@ class RadixCache:
             node = self._queue.pop(self._over_quota()) or self._queue.pop()
             if node is None:
                 break
-            self._remove_leaf(node)
             freed.extend(node.value)
+            self._evict_node(node)
         return freed.tolist()
+
+    def prune_tier_keys(self, keys: list[str]) -> int:
+        """The tiers no longer hold these blocks (evicted, failed to write): drop the offloaded
+        nodes they end in, with their subtrees. Returns the tokens dropped from the tree."""
+        before = sum(self._tier_tokens.values())
+        for key in keys:
+            node = self._tier_keys.get(key)
+            if node is not None:
+                self._drop_offloaded(node)
+        return before - sum(self._tier_tokens.values())
 
     def _over_quota(self) -> list[str]:
         quota = self.tenant_quota_tokens
@@ -206,6 +235,8 @@ class RadixCache:
         self._evictable_size = 0
         self._evictable_by_salt.clear()
         self._queue.clear()
+        self._tier_keys.clear()
+        self._tier_tokens.clear()
         if self._on_event is not None:
             self._on_event(CacheEvent(CacheEventKind.CLEARED, (), 0, ""))
         return slots
@@ -224,6 +255,8 @@ class RadixCache:
         assert by_salt == self.evictable_by_salt, (by_salt, self.evictable_by_salt)
         assert tree.leaves == self._queue.leaves, "evictable leaf set is stale"
         assert tree.leaves <= self._queue.queued(), "an evictable leaf is not queued"
+        assert tree.tier_tokens == self.tier_tokens, (tree.tier_tokens, self.tier_tokens)
+        assert tree.tier_keys == self._tier_keys, "the tier block index is stale"
         values = tree.values
         assert len(np.unique(np.frombuffer(values, dtype=C_INT))) == len(values), "slot twice"
         self._assert_whole_pages(values)
@@ -264,11 +297,60 @@ class RadixCache:
         del parent.children[child_key(leaf.key, 0, self.page_size)]
         self._queue.discard(leaf)
         self._count_evictable(leaf, -len(leaf.key))
+        self._after_child_left(parent)
+
+    def _after_child_left(self, parent: TreeNode) -> None:
+        """A child of parent was removed or offloaded: parent may now be an evictable leaf."""
         if parent.parent is not None:
-            if not parent.children and parent.lock_ref == 0:
+            if parent.tier is Tier.POOL and parent.lock_ref == 0 and not has_pool_child(parent):
                 self._queue.add(parent)
         elif not parent.children and parent.salt:
             del self._roots[parent.salt]  # an empty namespace costs nothing to recreate
+
+    def _evict_node(self, node: TreeNode) -> None:
+        """Offload node (the tiers took its KV, or its offloaded children still need its
+        tokens as their path) or remove it. Its pages are the caller's to free."""
+        demoted = None
+        if self._tiers is not None:
+            path = path_concat(node, values=False)
+            demoted = self._tiers.on_evict(path, path_concat(node, values=True),
+                                           len(path) - len(node.key), node.salt)
+        tier = None if demoted is None else demoted.tier
+        if tier is None and node.children:
+            tier = next(iter(node.children.values())).tier
+        if tier is None:
+            self._remove_leaf(node)
+            return
+        self._emit(CacheEventKind.REMOVED, node)  # from the pool; the tiers announce theirs
+        self._queue.discard(node)
+        self._count_evictable(node, -len(node.key))
+        node.value, node.tier = array("i"), tier
+        node.block_keys = () if demoted is None or demoted.tier is None else demoted.block_keys
+        for key in node.block_keys:
+            old = self._tier_keys.get(key)
+            if old is not None and old is not node:  # a stale copy elsewhere: keep one owner
+                self._drop_offloaded(old)
+            self._tier_keys[key] = node
+        self._tier_tokens[tier] = self._tier_tokens.get(tier, 0) + len(node.key)
+        assert node.parent is not None
+        self._after_child_left(node.parent)
+
+    def _drop_offloaded(self, node: TreeNode) -> None:
+        """Remove an offloaded node and its (offloaded) subtree from the tree; the blocks stay
+        in their tiers, found by the hash chain."""
+        assert node.tier is not Tier.POOL and node.parent is not None
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            for key in n.block_keys:
+                if self._tier_keys.get(key) is n:
+                    del self._tier_keys[key]
+            self._tier_tokens[n.tier] -= len(n.key)
+        parent = node.parent
+        del parent.children[child_key(node.key, 0, self.page_size)]
+        node.parent = None
+        self._after_child_left(parent)
 
     def _count_evictable(self, node: TreeNode, delta: int) -> None:
         self._evictable_size += delta
@@ -278,7 +360,8 @@ class RadixCache:
         if self._on_event is None:
             return
         path = path_concat(node, values=False)
-        self._on_event(CacheEvent(kind, tuple(path), len(path) - len(node.key), node.salt))
+        self._on_event(CacheEvent(kind, tuple(path), len(path) - len(node.key), node.salt,
+                                  self._pool_medium))
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         return iter_nodes(self._roots.values())
