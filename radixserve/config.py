@@ -7,6 +7,7 @@ Owns: ModelConfig-independent knobs (EngineConfig, ServerConfig). Does not know:
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -24,6 +25,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
 EVICTION_POLICIES = ("lru", "slru")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
+KV_OFFLOAD_WRITE_POLICIES = ("write_back", "write_through")
+TIER_BLOCK_SIZE = 16  # tier blocks are kv_events' blocks
 
 
 class ConfigError(ValueError):
@@ -60,8 +63,24 @@ class EngineConfig:
     # Pinned prefixes (POST /cache/pin) may lock at most this many tokens; None: a quarter of
     # the KV pool, so pins can never starve serving.
     max_pinned_tokens: int | None = None
+    # Tiers below the pool (cache/kv_tiers.py). The local tier: files under this directory,
+    # bounded by kv_offload_size GiB (on CUDA with host memory of kv_offload_host_size GiB
+    # above the disk); the shared tier: a directory several replicas mount, written through.
+    kv_offload_dir: str | None = None
+    kv_offload_size: float = 16.0
+    kv_shared_dir: str | None = None
+    kv_offload_write_policy: str = "write_back"  # or write_through (bench/README.md)
+    kv_offload_host_size: float = 4.0
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offload_dir is not None or self.kv_shared_dir is not None
 
     def __post_init__(self) -> None:
+        for name in ("kv_offload_dir", "kv_shared_dir"):
+            value = getattr(self, name)
+            if value is not None:  # a Path is accepted (LLM(kv_offload_dir=tmp_path))
+                object.__setattr__(self, name, os.fspath(value))
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -98,6 +117,28 @@ class EngineConfig:
             raise ConfigError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if not self.kv_offload_size > 0 or not self.kv_offload_host_size > 0:
+            raise ConfigError(f"kv_offload_size and kv_offload_host_size must be > 0 GiB, got "
+                              f"{self.kv_offload_size} and {self.kv_offload_host_size}")
+        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
+            raise ConfigError(f"unknown kv_offload_write_policy "
+                              f"{self.kv_offload_write_policy!r}; supported: "
+                              f"{', '.join(KV_OFFLOAD_WRITE_POLICIES)}")
+        if not self.kv_tiers_enabled:
+            return
+        if TIER_BLOCK_SIZE % self.page_size:
+            raise ConfigError(f"--kv-offload-dir / --kv-shared-dir store {TIER_BLOCK_SIZE}-token "
+                              f"blocks: page_size must divide {TIER_BLOCK_SIZE}, got "
+                              f"{self.page_size}")
+        if self.disable_radix_cache:
+            raise ConfigError("--kv-offload-dir / --kv-shared-dir extend the radix cache: they "
+                              "cannot be used with --disable-radix-cache")
+        if self.kv_offload_dir is not None and self.kv_offload_dir == self.kv_shared_dir:
+            raise ConfigError("--kv-offload-dir and --kv-shared-dir must be different "
+                              "directories")
 
 
 @dataclass(frozen=True)
