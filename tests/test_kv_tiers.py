@@ -151,3 +151,12 @@ def test_tree_and_tiers_integrity_after_eviction(tmp_path: Path, policy: str) ->
     assert len(tree_keys) == 8
     tiers.check_integrity(tree_keys)
     tiers.close()
+
+
+def test_a_pool_insert_over_a_namespaces_only_offloaded_child_keeps_the_namespace() -> None:
+    cache = RadixCache(tiers=RecordingHooks())
+    cache.insert([5] * 32, list(range(32)), salt="a")
+    cache.evict(32)
+    cache.insert([5] * 32, list(range(32, 64)), salt="a")
+    assert cache.match_prefix([5] * 32, salt="a").cached_len == 32
+    cache.check_integrity()

@@ -19,16 +19,24 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from radixserve.cache.radix_types import Demotion
-from radixserve.cache.tier_io import BLOCK, BlockRead, KVCodec, LoadDone, Store, TierLoader, TierWriter
+from radixserve.cache.tier_io import (
+    BLOCK,
+    BlockRead,
+    KVCodec,
+    LoadDone,
+    Store,
+    TierLoader,
+    TierWriter,
+)
 from radixserve.cache.tier_layers import LayeredStore
 from radixserve.cache.tiers import BlockStore, Fingerprint, HostStore, StoreStatus, Tier, block_key
 from radixserve.kv_events import (
@@ -45,6 +53,18 @@ logger = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_back", "write_through")
 MEDIUMS = {Tier.LOCAL: MEDIUM_LOCAL_DISK, Tier.SHARED: MEDIUM_SHARED}
 EMA = 0.2  # weight of the newest measurement in the running averages
+
+
+class BlockTag(NamedTuple):
+    """What a finished write needs to announce its block (kv_events)."""
+
+    chain_hash: int
+    parent: int | None
+    tokens: tuple[int, ...]
+
+
+class PoolPaths(Protocol):
+    def pool_paths(self) -> Iterator[tuple[array[int], array[int], int, str]]: ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +127,7 @@ class KVTiers:
         self.loader = TierLoader(codec, self.stores, self.writer.pending)
         self.load_rate = RateAverage()  # bytes/s of whole loads, as the worker measured them
         self.prefill_rate = RateAverage()  # tokens/s of prefill, from the engine's step timings
-        self.hit_tokens = {t: 0 for t in self.stores}
+        self.hit_tokens = dict.fromkeys(self.stores, 0)
         self.errors: dict[str, int] = {}
         self.load_seconds = 0.0
         self.num_loads = 0
@@ -153,7 +173,8 @@ class KVTiers:
             if not todo:
                 continue
             snap = self.codec.snapshot(slots[j * BLOCK : (j + 1) * BLOCK])
-            tag = (hashes[j], hashes[j - 1] if j else None, tuple(tokens[j * BLOCK:(j + 1) * BLOCK]))
+            tag = BlockTag(hashes[j], hashes[j - 1] if j else None,
+                           tuple(tokens[j * BLOCK : (j + 1) * BLOCK]))
             for t in todo:
                 if not self.writer.submit(t, key, snap, tag):
                     self._count_error("write_dropped")
@@ -224,10 +245,11 @@ class KVTiers:
         gone: list[str] = []
         for done in self.writer.take_done():
             if done.status in (StoreStatus.STORED, StoreStatus.EXISTS):
-                if done.status is StoreStatus.STORED and self._emit:
-                    h, parent, toks = done.tag  # type: ignore[misc]
-                    self._hash_of[done.key] = h
-                    self.events.append(BlockStored((h,), parent, toks, BLOCK, MEDIUMS[done.tier]))
+                tag = done.tag
+                if done.status is StoreStatus.STORED and self._emit and isinstance(tag, BlockTag):
+                    self._hash_of[done.key] = tag.chain_hash
+                    self.events.append(BlockStored((tag.chain_hash,), tag.parent, tag.tokens,
+                                                   BLOCK, MEDIUMS[done.tier]))
             else:
                 self._count_error(f"write_{done.status.value}")
                 gone.append(done.key)
@@ -286,6 +308,24 @@ class KVTiers:
         for key, tier in tree_keys.items():
             if tier is Tier.LOCAL:
                 assert self._has(Tier.LOCAL, key), f"offloaded block {key} is in no tier"
+
+    def persist(self, cache: PoolPaths, timeout: float = 60.0) -> bool:
+        """Write every block of the pool to the local tier and wait for the writes (a clean
+        shutdown with write-back: the next process starts warm). False on timeout."""
+        if Tier.LOCAL in self.stores and self.settings.write_policy == "write_back":
+            for tokens, slots, start, salt in cache.pool_paths():
+                self._write_blocks(tokens, slots, start, salt, [Tier.LOCAL])
+        return self.writer.flush(timeout)
+
+    def describe(self) -> dict[str, Any]:
+        """The static settings (server_info's engine_info)."""
+        s = self.settings
+        return {"local_dir": None if s.local_dir is None else str(s.local_dir),
+                "local_size_bytes": s.local_bytes if s.local_dir is not None else None,
+                "shared_dir": None if s.shared_dir is None else str(s.shared_dir),
+                "write_policy": s.write_policy, "block_size": BLOCK,
+                "host_size_bytes": s.host_bytes or None, "fingerprint": self.fp.canonical(),
+                "bytes_per_token": self.codec.bytes_per_token}
 
     def close(self) -> None:
         self.writer.close()

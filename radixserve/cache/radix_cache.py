@@ -104,6 +104,11 @@ class RadixCache:
         return self._evictable_size + self._protected_size
 
     @property
+    def tiered(self) -> bool:
+        """Evicted KV goes to tiers below the pool (the tree keeps offloaded nodes)."""
+        return self._tiers is not None
+
+    @property
     def tier_tokens(self) -> dict[Tier, int]:
         """Tokens of offloaded nodes (in the tree, KV only in a tier), by tier."""
         return {t: n for t, n in self._tier_tokens.items() if n}
@@ -167,6 +172,7 @@ class RadixCache:
             stale = node.children.get(child_key(query, num_cached, self.page_size))
             if stale is not None:  # offloaded: the pool copy being inserted replaces it
                 self._drop_offloaded(stale)
+                self._roots[salt] = root  # dropping the namespace's last child removed it
             value = to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
             self._assert_whole_pages(value)
             node = self._add_leaf(node, query[num_cached:], value, tick, priority)
@@ -210,6 +216,10 @@ class RadixCache:
             self._evict_node(node)
         return freed.tolist()
 
+    def tier_keys(self) -> dict[str, Tier]:
+        """The block keys of the offloaded nodes, with the tier each node says it is in."""
+        return {key: node.tier for key, node in self._tier_keys.items()}
+
     def prune_tier_keys(self, keys: list[str]) -> int:
         """The tiers no longer hold these blocks (evicted, failed to write): drop the offloaded
         nodes they end in, with their subtrees. Returns the tokens dropped from the tree."""
@@ -240,6 +250,13 @@ class RadixCache:
         if self._on_event is not None:
             self._on_event(CacheEvent(CacheEventKind.CLEARED, (), 0, ""))
         return slots
+
+    def pool_paths(self) -> Iterator[tuple[array[int], array[int], int, str]]:
+        """(path tokens, path slots, start of the node's own span, salt) of every pool node."""
+        for node in self._iter_nodes():
+            if node.tier is Tier.POOL:
+                path = path_concat(node, values=False)
+                yield path, path_concat(node, values=True), len(path) - len(node.key), node.salt
 
     def all_slots(self) -> list[int]:
         out: array[int] = array("i")

@@ -60,7 +60,7 @@ class KVCodec:
 
     @staticmethod
     def payload(block: torch.Tensor) -> memoryview:
-        return memoryview(block.contiguous().view(torch.uint8).reshape(-1).numpy())
+        return block.contiguous().view(torch.uint8).reshape(-1).numpy().data
 
     def write(self, data: bytes | memoryview, slots: Sequence[int], skip: int) -> None:
         """Copy tokens [skip, BLOCK) of a payload into `slots` (BLOCK - skip of them)."""
@@ -120,6 +120,10 @@ class TierWriter:
         with self._lock:
             done, self._done = self._done, []
         return done
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._pending
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write finished (tests, shutdown). False on timeout."""
@@ -197,7 +201,8 @@ class TierLoader:
         self._stores = stores
         self._pending = pending
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
-        self._stream = torch.cuda.Stream() if codec.k.device.type == "cuda" else None
+        cuda = codec.k.device.type == "cuda"
+        self._stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
 
     def submit(self, reads: list[BlockRead]) -> Future[LoadDone]:
         return self._pool.submit(self._load, reads)

@@ -199,6 +199,17 @@ class LLM:
     def kv_stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop the engine's tier threads; with --kv-offload-dir (write-back), write the pool
+        to the local tier first, so that a later LLM on the same directory starts warm."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool = False) -> None:
         from tqdm import tqdm
 

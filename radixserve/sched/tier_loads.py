@@ -12,6 +12,7 @@ tree. Does not know: files, payloads (cache/kv_tiers.py), batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -39,13 +40,14 @@ class TierLoads:
         self.loads: dict[str, PendingLoad] = {}  # rid -> its load in flight
         self.orphans: list[PendingLoad] = []  # loads of aborted requests, still running
         self._probed: set[tuple[str, int]] = set()  # (rid, num_preemptions): probed already
+        # Told (rid, seconds, tokens loaded) when a request's load ends (engine timings).
+        self.on_load: Callable[[str, float, int], None] | None = None
 
     # ---- the scheduler's calls -----------------------------------------------------------
 
     def ready(self, req: Req) -> bool:
         """False while req waits for a load (just started, or still running). True when it
         can be admitted: nothing to load, or its load finished (its tokens are in the tree)."""
-        self.sync()
         load = self.loads.get(req.rid)
         if load is None:
             mark = (req.rid, req.num_preemptions)
@@ -125,6 +127,8 @@ class TierLoads:
         of the pages go back."""
         done = load.future.result()
         self.tiers.record_load(done)
+        if self.on_load is not None:
+            self.on_load(req.rid, done.seconds, done.num_tokens)
         n = done.num_tokens
         if n:
             end = load.hit.start + n
