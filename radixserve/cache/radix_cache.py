@@ -29,6 +29,7 @@ import numpy as np
 from radixserve.cache.eviction import EvictionPolicy, EvictionQueue
 from radixserve.cache.page_allocator import whole_pages
 from radixserve.cache.radix_census import census
+from radixserve.cache.radix_offload import Offloading
 from radixserve.cache.radix_types import (
     C_INT,
     CacheEvent,
@@ -47,7 +48,7 @@ __all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "Radix
            "TreeNode"]
 
 
-class RadixCache:
+class RadixCache(Offloading):
     """Longest-prefix match, insert, lock/unlock and LRU eviction over int token ids.
 
     Who owns slots[i] after insert (aligned_len = len(token_ids) in whole pages):
@@ -102,16 +103,6 @@ class RadixCache:
     @property
     def total_size(self) -> int:
         return self._evictable_size + self._protected_size
-
-    @property
-    def tiered(self) -> bool:
-        """Evicted KV goes to tiers below the pool (the tree keeps offloaded nodes)."""
-        return self._tiers is not None
-
-    @property
-    def tier_tokens(self) -> dict[Tier, int]:
-        """Tokens of offloaded nodes (in the tree, KV only in a tier), by tier."""
-        return {t: n for t, n in self._tier_tokens.items() if n}
 
     @property
     def evictable_by_salt(self) -> dict[str, int]:
@@ -216,20 +207,6 @@ class RadixCache:
             self._evict_node(node)
         return freed.tolist()
 
-    def tier_keys(self) -> dict[str, Tier]:
-        """The block keys of the offloaded nodes, with the tier each node says it is in."""
-        return {key: node.tier for key, node in self._tier_keys.items()}
-
-    def prune_tier_keys(self, keys: list[str]) -> int:
-        """The tiers no longer hold these blocks (evicted, failed to write): drop the offloaded
-        nodes they end in, with their subtrees. Returns the tokens dropped from the tree."""
-        before = sum(self._tier_tokens.values())
-        for key in keys:
-            node = self._tier_keys.get(key)
-            if node is not None:
-                self._drop_offloaded(node)
-        return before - sum(self._tier_tokens.values())
-
     def _over_quota(self) -> list[str]:
         quota = self.tenant_quota_tokens
         if quota is None:
@@ -250,13 +227,6 @@ class RadixCache:
         if self._on_event is not None:
             self._on_event(CacheEvent(CacheEventKind.CLEARED, (), 0, ""))
         return slots
-
-    def pool_paths(self) -> Iterator[tuple[array[int], array[int], int, str]]:
-        """(path tokens, path slots, start of the node's own span, salt) of every pool node."""
-        for node in self._iter_nodes():
-            if node.tier is Tier.POOL:
-                path = path_concat(node, values=False)
-                yield path, path_concat(node, values=True), len(path) - len(node.key), node.salt
 
     def all_slots(self) -> list[int]:
         out: array[int] = array("i")
@@ -323,51 +293,6 @@ class RadixCache:
                 self._queue.add(parent)
         elif not parent.children and parent.salt:
             del self._roots[parent.salt]  # an empty namespace costs nothing to recreate
-
-    def _evict_node(self, node: TreeNode) -> None:
-        """Offload node (the tiers took its KV, or its offloaded children still need its
-        tokens as their path) or remove it. Its pages are the caller's to free."""
-        demoted = None
-        if self._tiers is not None:
-            path = path_concat(node, values=False)
-            demoted = self._tiers.on_evict(path, path_concat(node, values=True),
-                                           len(path) - len(node.key), node.salt)
-        tier = None if demoted is None else demoted.tier
-        if tier is None and node.children:
-            tier = next(iter(node.children.values())).tier
-        if tier is None:
-            self._remove_leaf(node)
-            return
-        self._emit(CacheEventKind.REMOVED, node)  # from the pool; the tiers announce theirs
-        self._queue.discard(node)
-        self._count_evictable(node, -len(node.key))
-        node.value, node.tier = array("i"), tier
-        node.block_keys = () if demoted is None or demoted.tier is None else demoted.block_keys
-        for key in node.block_keys:
-            old = self._tier_keys.get(key)
-            if old is not None and old is not node:  # a stale copy elsewhere: keep one owner
-                self._drop_offloaded(old)
-            self._tier_keys[key] = node
-        self._tier_tokens[tier] = self._tier_tokens.get(tier, 0) + len(node.key)
-        assert node.parent is not None
-        self._after_child_left(node.parent)
-
-    def _drop_offloaded(self, node: TreeNode) -> None:
-        """Remove an offloaded node and its (offloaded) subtree from the tree; the blocks stay
-        in their tiers, found by the hash chain."""
-        assert node.tier is not Tier.POOL and node.parent is not None
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            for key in n.block_keys:
-                if self._tier_keys.get(key) is n:
-                    del self._tier_keys[key]
-            self._tier_tokens[n.tier] -= len(n.key)
-        parent = node.parent
-        del parent.children[child_key(node.key, 0, self.page_size)]
-        node.parent = None
-        self._after_child_left(parent)
 
     def _count_evictable(self, node: TreeNode, delta: int) -> None:
         self._evictable_size += delta

@@ -94,6 +94,7 @@ class TierWriter:
         self._pending_bytes = 0
         self._done: list[WriteDone] = []
         self.num_dropped = 0
+        self._stopping = False  # close(): skip what is still queued
         self._thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self._thread.start()
 
@@ -136,6 +137,9 @@ class TierWriter:
         return False
 
     def close(self) -> None:
+        """Stop the thread; writes still queued are dropped (each store write is atomic, so
+        nothing half-written is left behind)."""
+        self._stopping = True
         self._queue.put(None)
         self._thread.join(timeout=30)
 
@@ -156,7 +160,7 @@ class TierWriter:
                 for store in self._refresh:
                     store.refresh()  # other replicas' new blocks become visible
                 last_refresh = now
-            if item is not None:
+            if item is not None and not self._stopping:
                 self._write(*item)
 
     def _write(self, tier: Tier, key: str, block: torch.Tensor, tag: object) -> None:
