@@ -160,3 +160,28 @@ def test_a_pool_insert_over_a_namespaces_only_offloaded_child_keeps_the_namespac
     cache.insert([5] * 32, list(range(32, 64)), salt="a")
     assert cache.match_prefix([5] * 32, salt="a").cached_len == 32
     cache.check_integrity()
+
+
+def test_host_memory_layer_above_the_disk(tmp_path: Path) -> None:
+    """The CUDA layout of the local tier (host memory above the disk), on plain memory here:
+    the host layer holds one block, so the others are read back from the disk."""
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(LAYERS, SLOTS, HEADS, DIM, generator=g)
+    v = torch.randn(LAYERS, SLOTS, HEADS, DIM, generator=g)
+    fp = fingerprint("tiny", torch.float32, LAYERS, HEADS, DIM)
+    codec = KVCodec(k, v)
+    settings = TierSettings(tmp_path, 1 << 20, None, 0, "write_back",
+                            host_bytes=codec.block_bytes, durable=False)
+    tiers = KVTiers(settings, fp, codec)
+    cache = RadixCache(tiers=tiers)
+    tokens = list(range(1, 50))
+    cache.insert(tokens, list(range(49)))
+    cache.evict(49)
+    assert tiers.writer.flush() and tiers.sync() == []  # host evictions lose nothing
+    local = tiers.stores[Tier.LOCAL]
+    assert len(local.keys()) == 3 and len(local.host.keys()) == 1  # type: ignore[attr-defined]
+    hit = tiers.probe(tokens, "", 0)
+    assert hit is not None and hit.num_tokens == 48
+    done = tiers.load(hit, list(range(100, 148))).result()
+    assert done.num_tokens == 48 and torch.equal(k[:, 100:148], k[:, 0:48])
+    tiers.close()
