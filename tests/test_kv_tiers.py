@@ -149,7 +149,8 @@ def test_tree_and_tiers_integrity_after_eviction(tmp_path: Path, policy: str) ->
     cache.check_integrity()
     tree_keys = {key: node.tier for key, node in cache._tier_keys.items()}
     assert len(tree_keys) == 8
-    tiers.check_integrity(tree_keys)
+    tiers.check_stores()
+    tiers.check_tree(tree_keys)
     tiers.close()
 
 

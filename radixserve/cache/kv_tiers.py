@@ -296,14 +296,17 @@ class KVTiers:
         return {"load_bytes_per_s": load, "prefill_tokens_per_s": prefill,
                 "load_tokens_per_s": None if load is None else load / per_token}
 
-    def check_integrity(self, tree_keys: dict[str, Tier]) -> None:
-        """Each store recounts its index against what it holds; every block key an offloaded
-        LOCAL node names is in the local tier or being written (call right after sync(), with
-        no write in flight, or a write's eviction may race the check)."""
+    def check_stores(self) -> None:
+        """Each store recounts its index against what it holds (a block gone behind its back
+        is reported by the next sync(), so the tree forgets it)."""
         for store in self.stores.values():
             store.check_integrity()  # type: ignore[attr-defined]
-        local = self.stores.get(Tier.LOCAL)
-        if local is None:
+
+    def check_tree(self, tree_keys: dict[str, Tier]) -> None:
+        """Every block key an offloaded LOCAL node names is in the local tier or being written.
+        Call after check_stores() and a sync() whose pruning the tree applied, with no write
+        in flight (a write's eviction would race the check)."""
+        if Tier.LOCAL not in self.stores:
             return
         for key, tier in tree_keys.items():
             if tier is Tier.LOCAL:
