@@ -21,7 +21,10 @@ from radixserve.cache.tier_io import BLOCK
 from radixserve.cache.tiers import Tier, block_key
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.kv_events import block_hashes
-from tests.test_tiers_engine import GREEDY, make_llm, prompts, run
+from tests.test_tiers_engine import GREEDY, always_load, make_llm, prompts, run
+
+pytestmark = pytest.mark.usefixtures("always_load")
+__all__ = ["always_load"]  # the fixture, imported for pytest
 
 
 @pytest.fixture(scope="module")
