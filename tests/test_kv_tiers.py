@@ -205,3 +205,25 @@ def test_load_only_when_the_measured_load_beats_the_measured_prefill(tmp_path: P
     rates = tiers.rates()
     assert rates["prefill_tokens_per_s"] == 1000 and rates["load_tokens_per_s"] == 100_000
     tiers.close()
+
+
+def test_cli_flags_and_offline_keywords(tmp_path: Path) -> None:
+    from radixserve.cli import build_config, build_parser
+    from radixserve.config import ConfigError, EngineConfig
+
+    args = build_parser().parse_args([
+        "serve", "--kv-offload-dir", str(tmp_path / "l"), "--kv-offload-size", "2.5",
+        "--kv-shared-dir", str(tmp_path / "s")])
+    cfg = build_config(args, {}).engine
+    assert (cfg.kv_offload_dir, cfg.kv_offload_size, cfg.kv_shared_dir) == (
+        str(tmp_path / "l"), 2.5, str(tmp_path / "s"))
+    assert cfg.kv_offload_write_policy == "write_back" and cfg.kv_tiers_enabled
+    default = build_config(build_parser().parse_args(["serve"]), {}).engine
+    assert default.kv_offload_dir is None and default.kv_offload_size == 16.0
+    assert not default.kv_tiers_enabled
+    # LLM(..., kv_offload_dir=Path) reaches EngineConfig as these keywords (paths accepted).
+    assert EngineConfig(kv_offload_dir=tmp_path).kv_offload_dir == str(tmp_path)
+    with pytest.raises(ConfigError, match="kv_offload_size"):
+        EngineConfig(kv_offload_dir=tmp_path, kv_offload_size=0)
+    with pytest.raises(ConfigError, match="different"):
+        EngineConfig(kv_offload_dir=tmp_path, kv_shared_dir=tmp_path)
