@@ -39,7 +39,9 @@ class TierLoads:
         self.mem = mem
         self.loads: dict[str, PendingLoad] = {}  # rid -> its load in flight
         self.orphans: list[PendingLoad] = []  # loads of aborted requests, still running
-        self._probed: set[tuple[str, int]] = set()  # (rid, num_preemptions): probed already
+        # rid -> its pool match when the tiers were last probed for it: probed again only
+        # when the pool lost some of it (evicted while the request waited).
+        self._probed: dict[str, int] = {}
         # Told (rid, seconds, tokens loaded) when a request's load ends (engine timings).
         self.on_load: Callable[[str, float, int], None] | None = None
 
@@ -50,23 +52,25 @@ class TierLoads:
         can be admitted: nothing to load, or its load finished (its tokens are in the tree)."""
         load = self.loads.get(req.rid)
         if load is None:
-            mark = (req.rid, req.num_preemptions)
-            if mark in self._probed:
-                return True
-            started = self._start(req)
+            pool_len = self.mem.cache.peek_prefix_len(self._query(req), req.cache_salt)
+            if self._probed.get(req.rid, -1) >= pool_len:
+                return True  # probed with this much in the pool: nothing more to load
+            started = self._start(req, pool_len)
             if started is None:
-                return False  # another request is loading the same blocks: wait for it
-            self._probed.add(mark)
+                return False  # blocks another request is loading, or no room yet: wait
+            if not started:
+                self._probed[req.rid] = pool_len
             return not started
         if not load.future.done():
             return False
         del self.loads[req.rid]
         self._finish(req, load)
+        self._probed[req.rid] = self.mem.cache.peek_prefix_len(self._query(req), req.cache_salt)
         return True
 
     def forget(self, req: Req) -> None:
         """req left the queue (admitted or aborted); a load still running becomes an orphan."""
-        self._probed.discard((req.rid, req.num_preemptions))
+        self._probed.pop(req.rid, None)
         load = self.loads.pop(req.rid, None)
         if load is not None:
             self.orphans.append(load)
@@ -98,11 +102,15 @@ class TierLoads:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _start(self, req: Req) -> bool | None:
-        """Start loading req's tier blocks; False if there is nothing worth loading (or no
-        room), None if an earlier request is loading its first blocks."""
-        cache, query = self.mem.cache, req.token_ids[: req.num_tokens - 1]
-        pool_len = cache.peek_prefix_len(query, req.cache_salt)
+    @staticmethod
+    def _query(req: Req) -> list[int]:
+        return req.token_ids[: req.num_tokens - 1]  # the last token is computed (its logits)
+
+    def _start(self, req: Req, pool_len: int) -> bool | None:
+        """Start loading req's tier blocks past its pool match; False if there is nothing
+        worth loading, None if it must wait (an earlier request is loading its first blocks,
+        or the pool has no room for them now)."""
+        cache, query = self.mem.cache, self._query(req)
         hit = self.tiers.probe(query, req.cache_salt, pool_len)
         if hit is None or not self.tiers.worth_loading(hit.num_tokens):
             return False
@@ -115,7 +123,11 @@ class TierLoads:
         pages = self.mem.alloc_pages(hit.num_tokens // page)
         if pages is None:
             cache.unlock(match.node)
-            return False
+            alloc = self.mem.allocator
+            held = alloc.num_pages * page - alloc.num_free_slots - cache.total_size
+            # Pages held by running requests or loads come back: try again then. With none
+            # held (pins fill the pool), waiting would be forever: compute instead.
+            return None if held > 0 else False
         slots = self.mem.allocator.pages_to_slots(pages)
         future = self.tiers.load(hit, slots)
         self.loads[req.rid] = PendingLoad(hit, match.node, list(match.slots), slots, future,
