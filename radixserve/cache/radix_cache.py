@@ -7,7 +7,8 @@ requests, the page allocator (evict returns slots, the caller frees their pages)
 slot ids are plain ints it only checks for page alignment (page_allocator.whole_pages). The
 pure node helpers (child keys, span comparison, the matching descent and its splits) are in
 radix_walk.py, the per-node integrity census in radix_census.py; this class keeps every
-count, lock, queue entry and event.
+count, lock, queue entry and event. With tiers (cache/kv_tiers.py) an evicted node can stay in
+the tree offloaded (radix_offload.py): its KV then lives in a tier, not the pool.
 
 Layout: one root per salt (namespace), so two salts never share a node. Each node holds a span
 of tokens `key` and their slots `value` as `array('i')` (4 bytes a token); children are keyed by
@@ -15,8 +16,10 @@ their first page (the first token when page_size == 1, else a tuple of page_size
 every key and every match is a whole number of pages. Invariants (check_integrity):
   - lock_ref(node) >= sum of its children's lock_ref (a lock pins its node and all ancestors);
   - last_access(node) <= last_access(parent) (every touch touches the whole path);
-  - the evictable leaves are exactly the unlocked non-root nodes without children; each has
-    an up-to-date entry in the eviction queue (stale entries are skipped or re-pushed).
+  - the evictable leaves are exactly the unlocked non-root pool nodes without pool children;
+    each has an up-to-date entry in the eviction queue (stale entries are skipped or re-pushed);
+  - offloaded nodes hold no slots and no locks, only offloaded nodes below them, and their
+    block keys and token counts match the cache's tier index.
 """
 
 from __future__ import annotations
