@@ -56,6 +56,10 @@ def test_replica_b_serves_what_replica_a_computed(tiny_llama: Path, tmp_path: Pa
             time.sleep(0.2)
         text_b, cached_b = complete(b, ids)
         assert text_b == text_a and cached_b >= 288
+        deadline = time.monotonic() + 30
+        while not b.info()["kv_offload"].get("num_loads"):  # stats arrive every 0.5 s
+            assert time.monotonic() < deadline, b.info()
+            time.sleep(0.1)
         b.wait_idle()
         info = b.info()
         assert info["kv_offload"]["shared_dir"] == str(shared)
