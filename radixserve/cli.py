@@ -17,6 +17,7 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    KV_OFFLOAD_WRITE_POLICIES,
     METRICS_COMPAT,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
@@ -51,6 +52,15 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--speculative-config", str, "speculative_config",
      'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
      '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; methods: ngram, radix, auto'),
+    ("--kv-offload-dir", str, "kv_offload_dir", "local tier: KV evicted from the pool is kept "
+     "as files here and loaded back instead of recomputed; survives restarts"),
+    ("--kv-offload-size", float, "kv_offload_size", "bound of the local tier in GiB (default 16)"),
+    ("--kv-shared-dir", str, "kv_shared_dir", "shared tier: a directory several replicas "
+     "mount; computed KV blocks are published here and loaded by any replica"),
+    ("--kv-offload-write-policy", str, "kv_offload_write_policy",
+     f"when the local tier is written: {' | '.join(KV_OFFLOAD_WRITE_POLICIES)}"),
+    ("--kv-offload-host-size", float, "kv_offload_host_size",
+     "CUDA: GiB of pinned host memory above the local tier's disk (default 4)"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: also export these engines' metric names
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+KV_OFFLOAD_WRITE_POLICIES = ("write_back", "write_through")
+TIER_BLOCK_SIZE = 16  # tier blocks are kv_events' blocks
 
 
 class ConfigError(ValueError):
@@ -71,8 +74,24 @@ class EngineConfig:
     # vLLM's --speculative-config (JSON text or a dict here, parsed into SpeculativeConfig);
     # None: no server-wide drafting (a request's own `prediction` still drafts).
     speculative_config: SpeculativeConfig | None = None
+    # Tiers below the pool (cache/kv_tiers.py). The local tier: files under this directory,
+    # bounded by kv_offload_size GiB (on CUDA with host memory of kv_offload_host_size GiB
+    # above the disk); the shared tier: a directory several replicas mount, written through.
+    kv_offload_dir: str | None = None
+    kv_offload_size: float = 16.0
+    kv_shared_dir: str | None = None
+    kv_offload_write_policy: str = "write_back"  # or write_through (bench/README.md)
+    kv_offload_host_size: float = 4.0
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offload_dir is not None or self.kv_shared_dir is not None
 
     def __post_init__(self) -> None:
+        for name in ("kv_offload_dir", "kv_shared_dir"):
+            value = getattr(self, name)
+            if value is not None:  # a Path is accepted (LLM(kv_offload_dir=tmp_path))
+                object.__setattr__(self, name, os.fspath(value))
         self._parse_speculative()
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
@@ -110,6 +129,28 @@ class EngineConfig:
             raise ConfigError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if not self.kv_offload_size > 0 or not self.kv_offload_host_size > 0:
+            raise ConfigError(f"kv_offload_size and kv_offload_host_size must be > 0 GiB, got "
+                              f"{self.kv_offload_size} and {self.kv_offload_host_size}")
+        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
+            raise ConfigError(f"unknown kv_offload_write_policy "
+                              f"{self.kv_offload_write_policy!r}; supported: "
+                              f"{', '.join(KV_OFFLOAD_WRITE_POLICIES)}")
+        if not self.kv_tiers_enabled:
+            return
+        if TIER_BLOCK_SIZE % self.page_size:
+            raise ConfigError(f"--kv-offload-dir / --kv-shared-dir store {TIER_BLOCK_SIZE}-token "
+                              f"blocks: page_size must divide {TIER_BLOCK_SIZE}, got "
+                              f"{self.page_size}")
+        if self.disable_radix_cache:
+            raise ConfigError("--kv-offload-dir / --kv-shared-dir extend the radix cache: they "
+                              "cannot be used with --disable-radix-cache")
+        if self.kv_offload_dir is not None and self.kv_offload_dir == self.kv_shared_dir:
+            raise ConfigError("--kv-offload-dir and --kv-shared-dir must be different "
+                              "directories")
 
     def _parse_speculative(self) -> None:
         value: Any = self.speculative_config

@@ -23,9 +23,14 @@ equal prefixes of the same cache namespace. The salt is `cache_salt_for_api_key(
 Wire format (one JSON object per SSE `data:` line):
     {"seq": 7, "events": [
         {"type": "BlockStored", "block_hashes": [..], "parent_block_hash": int | null,
-         "token_ids": [..], "block_size": 16},
-        {"type": "BlockRemoved", "block_hashes": [..]},
+         "token_ids": [..], "block_size": 16, "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": [..], "medium": "CPU"},
         {"type": "AllBlocksCleared"}]}
+
+`medium` says where the blocks are, as vLLM's events do: "GPU" / "CPU" for the KV pool (the
+device it is on), "LOCAL_DISK" for the local tier (--kv-offload-dir), "SHARED" for the tier
+replicas share (--kv-shared-dir); null (older replicas) means the pool. A block may be in
+several media at once; a removal names the medium it left.
 """
 
 from __future__ import annotations
@@ -43,6 +48,16 @@ import xxhash
 
 DEFAULT_BLOCK_SIZE = 16
 _HASH_SEED = 0
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_LOCAL_DISK = "LOCAL_DISK"
+MEDIUM_SHARED = "SHARED"
+POOL_MEDIUMS = frozenset({None, MEDIUM_GPU, MEDIUM_CPU})
+
+
+def is_pool_medium(medium: str | None) -> bool:
+    return medium in POOL_MEDIUMS
 
 
 def chained_hashes(chunks: Iterable[bytes], salt: str = "") -> list[int]:
@@ -116,10 +131,11 @@ def encode_batch(batch: EventBatch) -> bytes:
             events.append({
                 "type": "BlockStored", "block_hashes": list(ev.block_hashes),
                 "parent_block_hash": ev.parent_block_hash, "token_ids": list(ev.token_ids),
-                "block_size": ev.block_size,
+                "block_size": ev.block_size, "medium": ev.medium,
             })
         elif isinstance(ev, BlockRemoved):
-            events.append({"type": "BlockRemoved", "block_hashes": list(ev.block_hashes)})
+            events.append({"type": "BlockRemoved", "block_hashes": list(ev.block_hashes),
+                           "medium": ev.medium})
         else:
             events.append({"type": "AllBlocksCleared"})
     return orjson.dumps({"seq": batch.seq, "events": events})
@@ -137,9 +153,11 @@ def decode_batch(data: bytes | str) -> EventBatch:
                     tuple(int(h) for h in ev["block_hashes"]),
                     None if ev["parent_block_hash"] is None else int(ev["parent_block_hash"]),
                     tuple(int(t) for t in ev["token_ids"]), int(ev["block_size"]),
+                    _medium(ev),
                 ))
             elif kind == "BlockRemoved":
-                events.append(BlockRemoved(tuple(int(h) for h in ev["block_hashes"])))
+                events.append(BlockRemoved(tuple(int(h) for h in ev["block_hashes"]),
+                                           _medium(ev)))
             elif kind == "AllBlocksCleared":
                 events.append(AllBlocksCleared())
             else:
@@ -149,6 +167,13 @@ def decode_batch(data: bytes | str) -> EventBatch:
         raise
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise KVEventDecodeError(f"malformed kv event batch: {e}") from e
+
+
+def _medium(ev: dict[str, Any]) -> str | None:
+    medium = ev.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise KVEventDecodeError(f"medium must be a string or null, got {medium!r}")
+    return medium
 
 
 def _kind_name(kind: Any) -> str:
@@ -173,7 +198,7 @@ class KVEventPublisher:
         self.block_size = block_size
         self.keepalive_s = keepalive_s
         self._buffer: deque[EventBatch] = deque(maxlen=max_batches)
-        self._live: set[int] = set()
+        self._live: dict[str | None, set[int]] = {}  # medium -> block hashes held there
         self._last_seq = 0
         self._wakeup: asyncio.Event | None = None
         self._closed = False
@@ -205,14 +230,15 @@ class KVEventPublisher:
         kept: list[BlockEvent] = []
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._live.update(ev.block_hashes)
+                self._live.setdefault(ev.medium, set()).update(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 # NOTE: only announce blocks that were announced; a removal of a never-stored
                 # block (a partial one, or a duplicate removal) would only confuse subscribers.
-                gone = tuple(h for h in ev.block_hashes if h in self._live)
+                live = self._live.get(ev.medium, set())
+                gone = tuple(h for h in ev.block_hashes if h in live)
                 if not gone:
                     continue
-                self._live.difference_update(gone)
+                live.difference_update(gone)
                 ev = BlockRemoved(gone, ev.medium)
             else:
                 self._live.clear()
@@ -228,6 +254,8 @@ class KVEventPublisher:
         return batch
 
     def _convert(self, ce: Any) -> list[BlockEvent]:
+        if isinstance(ce, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            return [ce]  # already block-level (the tiers' events)
         kind = _kind_name(ce.kind)
         if kind == "cleared":
             return [AllBlocksCleared()]
@@ -248,10 +276,12 @@ class KVEventPublisher:
         raise ValueError(f"unknown cache event kind {kind!r}")
 
     def snapshot(self) -> EventBatch:
-        """Everything cached now, as `AllBlocksCleared` + one `BlockStored` without token ids."""
+        """Everything cached now, as `AllBlocksCleared` + one `BlockStored` without token ids
+        per medium."""
         events: list[BlockEvent] = [AllBlocksCleared()]
-        if self._live:
-            events.append(BlockStored(tuple(self._live), None, (), self.block_size))
+        for medium, hashes in self._live.items():
+            if hashes:
+                events.append(BlockStored(tuple(hashes), None, (), self.block_size, medium))
         return EventBatch(self._last_seq, tuple(events))
 
     def batches_since(self, seq: int) -> list[EventBatch]:

@@ -108,7 +108,7 @@ class Router:
             chains = token_chains(prompt, salts, bs, self.encoder)
         return RouteKey(tuple(approx), tuple(chains))
 
-    def _precise_match(self, key: RouteKey, url: str) -> int | None:
+    def _precise_match(self, key: RouteKey, url: str) -> float | None:
         if self.precise is None or not key.token_chains:
             return None
         matches = [self.precise.match(chain, url) for chain in key.token_chains]
@@ -124,7 +124,7 @@ class Router:
             chosen = next(w for w in workers if w.url == choice.url)
             return Decision(chosen, choice.reason, 0, 0)
         approx = self.index.match(key.approx_hashes, [w.url for w in workers])
-        scored: dict[str, tuple[int, int]] = {}  # url -> (matched, total) blocks
+        scored: dict[str, tuple[float, int]] = {}  # url -> (matched, total) blocks
         candidates = []
         for w in workers:
             exact = self._precise_match(key, w.url)
@@ -138,12 +138,14 @@ class Router:
             pick = self.sessions.pick(key.session, candidates)
             if pick is not None:
                 chosen = next(w for w in workers if w.url == pick.url)
-                return Decision(chosen, ChoiceReason.SESSION, *scored[chosen.url], pick.outcome)
+                matched, total = scored[chosen.url]
+                return Decision(chosen, ChoiceReason.SESSION, int(matched), total, pick.outcome)
         choice = self.policy.choose(candidates, self._tie_key(key))
         chosen = next(w for w in workers if w.url == choice.url)
         outcome = None if key.session is None else \
             self.sessions.outcome_for_policy_choice(key.session)
-        return Decision(chosen, choice.reason, *scored[chosen.url], outcome)
+        matched, total = scored[chosen.url]
+        return Decision(chosen, choice.reason, int(matched), total, outcome)
 
     def _tie_key(self, key: RouteKey) -> int | None:
         """Several routers: ties broken by the prompt's first block (or session), the same

@@ -12,10 +12,12 @@ import struct
 from array import array
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+
+from radixserve.cache.tiers.keys import Tier
 
 ChildKey: TypeAlias = "int | tuple[int, ...]"
 IntSeq: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"  # list, array('i'), numpy
@@ -52,11 +54,12 @@ class CacheEvent(NamedTuple):
     token_ids: tuple[int, ...]
     prefix_len: int
     salt: str
+    medium: str | None = None  # where the blocks are (kv_events.MEDIUM_*); None: the pool
 
 
 class TreeNode:
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "salt",
-                 "hits", "priority")
+                 "hits", "priority", "tier", "block_keys")
 
     def __init__(
         self, key: array[int], value: array[int], parent: TreeNode | None, last_access: int,
@@ -71,9 +74,15 @@ class TreeNode:
         self.salt = salt
         self.hits = 0  # admissions that matched this node after its insert (SLRU's promotion)
         self.priority = 0  # of the last request that matched it (lower = more important)
+        # Where the KV of this span is. POOL: `value` holds its slots. LOCAL / SHARED
+        # (offloaded): `value` is empty, the node is never locked, its children are offloaded
+        # too, and `block_keys` are the tier keys of the 16-token blocks that END inside it
+        # (kv_events' rule; the first may start in the parent).
+        self.tier = Tier.POOL
+        self.block_keys: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
-        return (f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, "
+        return (f"TreeNode(len={len(self.key)}, tier={self.tier.value}, lock_ref={self.lock_ref}, "
                 f"last_access={self.last_access}, children={len(self.children)})")
 
 
@@ -86,3 +95,23 @@ class MatchResult(NamedTuple):
 class InsertResult(NamedTuple):
     num_already_cached: int  # leading tokens the tree already had before this insert
     node: TreeNode  # the node of the last inserted token
+
+
+class Demotion(NamedTuple):
+    """Where an evicted pool node's KV went: `tier` None means nowhere (drop the node)."""
+
+    tier: Tier | None
+    block_keys: tuple[str, ...]  # the keys of the blocks that end inside the node
+
+
+class TierHooks(Protocol):
+    """What the tree tells the tiers (cache/kv_tiers.py implements it). Both calls run on the
+    step thread while the node's pages still hold its KV; `tokens` / `slots` are the whole path
+    from the root to the end of the node, whose own span starts at `start`."""
+
+    def on_insert(self, tokens: array[int], slots: array[int], start: int, salt: str) -> None:
+        """A pool node was added: publish (write through) its completed blocks."""
+
+    def on_evict(self, tokens: array[int], slots: array[int], start: int, salt: str
+                 ) -> Demotion:
+        """A pool node is being evicted: demote (write back) its completed blocks."""

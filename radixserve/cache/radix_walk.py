@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from radixserve.cache.radix_types import C_INT, ChildKey, IntSeq, TreeNode
+from radixserve.cache.tiers.keys import Tier
 
 
 def child_key(key: IntSeq, start: int, page_size: int) -> ChildKey:
@@ -41,13 +42,14 @@ def common_len(key: array[int], query: array[int], pos: int, page_size: int) -> 
 
 def walk(root: TreeNode, query: array[int], tick: int | None, page_size: int
          ) -> tuple[TreeNode, int]:
-    """Descend along query, splitting where it diverges inside a node and touching every
-    node passed; returns the deepest matched node and the matched length. With tick None
-    (a peek) nothing changes and the node returned may extend past the match."""
+    """Descend along query through pool nodes, splitting where it diverges inside a node and
+    touching every node passed; returns the deepest matched node and the matched length. It
+    stops before an offloaded node (its KV is not in the pool). With tick None (a peek)
+    nothing changes and the node returned may extend past the match."""
     node, pos = root, 0
     while pos < len(query):
         child = node.children.get(child_key(query, pos, page_size))
-        if child is None:
+        if child is None or child.tier is not Tier.POOL:
             break
         m = common_len(child.key, query, pos, page_size)
         assert m > 0, "a child matched by its first page must share that page"
@@ -67,6 +69,7 @@ def split(child: TreeNode, m: int, page_size: int) -> TreeNode:
     """Cut child after m tokens; the new upper node inherits its locks and age."""
     parent = child.parent
     assert parent is not None
+    assert child.tier is Tier.POOL, "offloaded nodes are never split"
     upper = TreeNode(child.key[:m], child.value[:m], parent, child.last_access, child.salt)
     upper.lock_ref = child.lock_ref
     upper.hits, upper.priority = child.hits, child.priority
@@ -95,3 +98,7 @@ def iter_nodes(roots: Iterable[TreeNode]) -> Iterator[TreeNode]:
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
+
+
+def has_pool_child(node: TreeNode) -> bool:
+    return any(c.tier is Tier.POOL for c in node.children.values())

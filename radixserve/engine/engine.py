@@ -11,13 +11,16 @@ import dataclasses
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from radixserve.cache.kv_tiers import KVTiers
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.tiers_setup import build_tiers, pool_medium
 from radixserve.grammar.backend import GrammarBackend
 from radixserve.grammar.compiler import GrammarCompiler
 from radixserve.ipc.messages import (
@@ -28,12 +31,27 @@ from radixserve.ipc.messages import (
     PinMsg,
     UnpinMsg,
 )
+from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
-from radixserve.types import InvalidRequestError, SamplingParams, TokenOutput
+from radixserve.types import InvalidRequestError, Phase, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005  # an engine with nothing to run but grammars compiling sleeps this long
+MAX_TIMINGS = 4096  # requests whose step timings are kept (oldest dropped first)
+# A clean shutdown waits this long for the pool to reach the local tier (write-back); within
+# the API process's engine shutdown timeout. What is not written by then is only not warm.
+PERSIST_TIMEOUT_S = 8.0
+
+
+@dataclass
+class RequestTiming:
+    """What the engine measured for one request: its prompt's compute and its tier load."""
+
+    prefill_seconds: float = 0.0  # its share of the steps that computed its prompt
+    prefill_tokens: int = 0
+    load_seconds: float = 0.0  # the tier load that brought its prefix into the pool
+    load_tokens: int = 0
 
 
 def _grammar_backend(hf_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
@@ -48,13 +66,15 @@ class Engine:
         self.runner = ModelRunner(cfg, show_progress)
         pool = self.runner.pool
         self.allocator = PageAllocator(pool.size.num_pages, pool.size.page_size)
-        self._events: list[CacheEvent] = []
+        self._events: list[Any] = []  # CacheEvents, and the tiers' block events
         quota = cfg.tenant_cache_quota
+        self.tiers: KVTiers | None = build_tiers(cfg, self.runner)
         self.cache = RadixCache(
             pool.size.page_size, disabled=cfg.disable_radix_cache,
             on_event=self._events.append if cfg.enable_kv_events else None,
             eviction_policy=cfg.eviction_policy,
-            tenant_quota_tokens=None if quota is None else int(quota * pool.size.num_slots))
+            tenant_quota_tokens=None if quota is None else int(quota * pool.size.num_slots),
+            tiers=self.tiers, pool_medium=pool_medium(self.runner.device))
         r = self.runner
         # Grammars compile on a worker thread; the tokenizer's grammar view is built there too,
         # on the first constrained request.
@@ -62,8 +82,11 @@ class Engine:
             _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids))
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
                                    r.spec.vocab_size, r.eos_token_ids, self.grammars,
-                                   cfg.speculative_config)
+                                   self.tiers, cfg.speculative_config)
         self._replies: list[CallResultMsg] = []
+        self.timings: dict[str, RequestTiming] = {}  # rid -> its engine timings
+        if self.scheduler.tier_loads is not None:
+            self.scheduler.tier_loads.on_load = self._note_load
         self._pin_prefills: dict[str, PinMsg] = {}  # rid of the prefill request -> the call
 
     @property
@@ -84,6 +107,7 @@ class Engine:
             "vocab_size": r.spec.vocab_size,
             "speculative_config": (None if self.cfg.speculative_config is None
                                    else dataclasses.asdict(self.cfg.speculative_config)),
+            "kv_offload": None if self.tiers is None else self.tiers.describe(),
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
@@ -101,19 +125,52 @@ class Engine:
         if batch is None:
             if self.scheduler.waiting_on_grammars():
                 self.grammars.wait_any(GRAMMAR_WAIT_S)
+            elif self.scheduler.waiting_on_loads():
+                loads = self.scheduler.tier_loads
+                assert loads is not None
+                loads.wait_any(GRAMMAR_WAIT_S)
             outputs = self.scheduler.drain_aborted()
         else:
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             result = self.runner.run(batch)
+            self._note_step(batch, time.perf_counter() - t0)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
             self.scheduler.spec.observe_step(batch, sum(o.token_id is not None for o in outputs),
-                                             time.perf_counter() - start)
+                                             time.perf_counter() - t0)
         if self._pin_prefills:
             outputs = [o for o in outputs if not self._pin_prefill_done(o)]
         return outputs
 
     def flush_cache(self, include_pins: bool = False) -> bool:
         return self.scheduler.flush_cache(include_pins)
+
+    def _note_step(self, batch: Batch, seconds: float) -> None:
+        """The engine's own prefill timings: the tiers' prefill rate, and per request the
+        seconds of the steps that computed its prompt (a step's time shared by tokens)."""
+        if batch.phase is Phase.DECODE:
+            return
+        if self.tiers is not None:
+            self.tiers.note_prefill(batch.num_tokens, seconds)
+        for i, entry in enumerate(batch.entries):
+            if batch.is_prefill(i):
+                t = self.timings.setdefault(entry.req.rid, RequestTiming())
+                t.prefill_seconds += seconds * entry.num_new_tokens / batch.num_tokens
+                t.prefill_tokens += entry.num_new_tokens
+        while len(self.timings) > MAX_TIMINGS:
+            del self.timings[next(iter(self.timings))]
+
+    def _note_load(self, rid: str, seconds: float, num_tokens: int) -> None:
+        t = self.timings.setdefault(rid, RequestTiming())
+        t.load_seconds += seconds
+        t.load_tokens += num_tokens
+
+    def close(self) -> None:
+        """Stop the tier threads; with write-back, first write the pool's blocks to the local
+        tier so that the next process starts warm (write-through already did)."""
+        if self.tiers is not None:
+            self.tiers.persist(self.cache, PERSIST_TIMEOUT_S)
+            self.tiers.close()
+            self.tiers = None
 
     # ---- pinned prefixes (the calls of /cache/pin) ----------------------------------------
 
@@ -179,11 +236,18 @@ class Engine:
                 "prefilled_tokens": computed}
 
     def drain_cache_events(self) -> list[CacheEvent]:
+        if self.tiers is not None and self.cfg.enable_kv_events:
+            self._events.extend(self.tiers.take_events())
         events, self._events[:] = list(self._events), []
         return events
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.scheduler.stats())
+        stats = dict(self.scheduler.stats())
+        if self.tiers is not None:
+            stats["kv_offload"] = {**self.tiers.stats(),
+                                   "tree_tokens": {t.value: n for t, n in
+                                                   self.cache.tier_tokens.items()}}
+        return stats
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

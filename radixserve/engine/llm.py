@@ -89,12 +89,6 @@ class LLM:
 
             self.kv_events = OfflineKVEvents(kv_cfg, str(self.engine.runner.device))
 
-    def close(self) -> None:
-        """Stop publishing KV events (the engine itself needs no closing)."""
-        if self.kv_events is not None:
-            self.kv_events.close()
-            self.kv_events = None
-
     def _step(self) -> list[Any]:
         outputs = self.engine.step()
         if self.kv_events is not None:
@@ -224,6 +218,21 @@ class LLM:
 
     def kv_stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine's tier threads; with --kv-offload-dir (write-back), write the pool
+        to the local tier first, so that a later LLM on the same directory starts warm; stop
+        publishing KV events."""
+        self.engine.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool = False) -> None:
         from tqdm import tqdm

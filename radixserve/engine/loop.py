@@ -197,3 +197,6 @@ def run_engine_process(cfg: EngineConfig,
         except OSError:
             pass
         raise SystemExit(1) from err
+    close = getattr(engine, "close", None)
+    if close is not None:  # a clean exit: the tiers persist the pool for the next process
+        close()

@@ -53,6 +53,13 @@ class MemoryManager:
 
     # ---- allocation ----------------------------------------------------------------------
 
+    def alloc_pages(self, num_pages: int) -> list[int] | None:
+        """Pages for a tier load (held by the load until its tokens enter the tree)."""
+        return self._alloc_pages(num_pages)
+
+    def free_slots(self, slots: list[int]) -> None:
+        self.allocator.free(self.allocator.slots_to_pages(slots))
+
     def _alloc_pages(self, num_pages: int) -> list[int] | None:
         pages = self.allocator.alloc(num_pages)
         if pages is None:
@@ -197,24 +204,31 @@ class MemoryManager:
         """Drop every cached prefix that is not locked. No request may be live (the caller
         checks); pins (locks the scheduler holds) survive."""
         cache = self.cache
-        freed = cache.reset() if cache.protected_size == 0 else cache.evict(cache.evictable_size)
+        # With tiers, eviction demotes: a flushed pool stays loadable from the tiers.
+        if cache.protected_size == 0 and not cache.tiered:
+            freed = cache.reset()
+        else:
+            freed = cache.evict(cache.evictable_size)
         if freed:
             self.allocator.free(self.allocator.slots_to_pages(freed))
 
-    def check_integrity(self, live: list[Req], pinned_tokens: int = 0) -> None:
+    def check_integrity(self, live: list[Req], pinned_tokens: int = 0,
+                        loading: list[int] | None = None) -> None:
         """free + cached + held == total, no slot owned twice, locks match live requests and
-        pins (`pinned_tokens`: the tokens on the pinned paths)."""
+        pins (`pinned_tokens`: the tokens on the pinned paths). `loading`: the slots tier
+        loads hold (held too; None: no load in flight, so no lock may be left over)."""
         self.allocator.check_integrity()
         self.cache.check_integrity()
-        held = self.held_tokens(live)
+        loading = loading or []
+        held = self.held_tokens(live) + len(loading)
         total = self.allocator.num_pages * self.page
         free, cached = self.allocator.num_free_slots, self.cache.total_size
         assert free + cached + held == total, (free, cached, held, total)
         rows = [r.table_row for r in live]
         assert len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows), rows
         assert all(r.num_table_slots <= r.num_computed_tokens for r in live)
-        owned = [s for r in live for s in r.slots[r.num_tree_tokens :]]
+        owned = [s for r in live for s in r.slots[r.num_tree_tokens :]] + loading
         assert len(owned) == len(set(owned)), "a slot is held by two requests"
         assert not set(owned) & set(self.cache.all_slots()), "a held slot is also in the tree"
-        if not live:
+        if not live and not loading:
             assert self.cache.protected_size == pinned_tokens, "locks left with no live request"

@@ -24,6 +24,7 @@ from radixserve.sched.memory import MemoryManager
 from radixserve.sched.policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ScheduledReq
 from radixserve.sched.speculation import Speculation
+from radixserve.sched.tier_loads import TierLoads
 from radixserve.types import Phase
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class StepPlan:
 class BatchPlanner:
     def __init__(self, cfg: EngineConfig, mem: MemoryManager, grammars: GrammarCompiler | None,
                  waiting: deque[Req], prefilling: list[Req], running: list[Req],
-                 spec: Speculation | None = None) -> None:
+                 tier_loads: TierLoads | None = None, spec: Speculation | None = None) -> None:
         self.cfg = cfg
         self.mem = mem
         self.spec = spec  # drafts for decode steps (speculative decoding), like mem: a helper
@@ -57,6 +58,7 @@ class BatchPlanner:
         self.waiting = waiting
         self.prefilling = prefilling  # admitted, prompt not fully computed (chunked)
         self.running = running  # decoding
+        self.tier_loads = tier_loads  # prefixes being read back from a tier below the pool
         self.last_phase = Phase.DECODE
 
     def plan(self) -> StepPlan:
@@ -125,6 +127,8 @@ class BatchPlanner:
                 break
             if not self._grammar_ready(plan, req):
                 continue  # still compiling (or failed): it waits, the batch does not
+            if self.tier_loads is not None and not self.tier_loads.ready(req):
+                continue  # its prefix is being read from a tier: it waits, the batch does not
             if reqs and shares_uncached_prefix(req, matches.get(req.rid, 0), reqs):
                 continue
             live = self.running + self.prefilling

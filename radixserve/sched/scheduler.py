@@ -31,6 +31,7 @@ import time
 from collections import deque
 from typing import Any
 
+from radixserve.cache.kv_tiers import KVTiers
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.config import EngineConfig
@@ -42,6 +43,7 @@ from radixserve.sched.planner import BatchPlanner, Move, StepPlan
 from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.sched.request_rules import checked_max_new_tokens, stop_reason
 from radixserve.sched.speculation import Speculation
+from radixserve.sched.tier_loads import TierLoads
 from radixserve.spec.config import SpeculativeConfig
 from radixserve.types import (
     FinishReason,
@@ -57,7 +59,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 grammars: GrammarCompiler | None = None,
+                 grammars: GrammarCompiler | None = None, tiers: KVTiers | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
         # One slot-table row per running request (the model runner's table has as many).
@@ -79,8 +81,10 @@ class Scheduler:
         # reported at the next step.
         self.aborted: list[tuple[Req, str | None]] = []
         self.counters = EngineCounters()
+        # Requests whose prefix continues in a tier wait here while a worker loads it.
+        self.tier_loads = None if tiers is None else TierLoads(tiers, self.mem)
         self.planner = BatchPlanner(cfg, self.mem, grammars, self.waiting, self.prefilling,
-                                    self.running, self.spec)
+                                    self.running, self.tier_loads, self.spec)
 
     @property
     def grammars(self) -> GrammarCompiler | None:
@@ -118,6 +122,8 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+            if self.tier_loads is not None:
+                self.tier_loads.forget(req)  # a load still running finishes as an orphan
         else:
             self._drop_live(req)
             self.mem.release(req)
@@ -126,7 +132,13 @@ class Scheduler:
         self.aborted.append((req, None))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.aborted)
+        return bool(self.waiting or self.prefilling or self.running or self.aborted
+                    or (self.tier_loads is not None and self.tier_loads.busy()))
+
+    def waiting_on_loads(self) -> bool:
+        """Nothing can run until a tier load finishes (the engine may sleep on it)."""
+        return (self.tier_loads is not None and self.tier_loads.busy()
+                and not self.running and not self.prefilling)
 
     def waiting_on_grammars(self) -> bool:
         """Nothing can run until some grammar compiles (the engine may sleep on it)."""
@@ -139,6 +151,8 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         if self.pins.pins:
             self.pins.expire()  # lazily: an expired pin only matters when pages are needed
+        if self.tier_loads is not None:
+            self.tier_loads.sync()
         plan = self.planner.plan()
         self._apply(plan)
         return plan.batch
@@ -154,6 +168,8 @@ class Scheduler:
                 self.counters.num_preemptions += 1
                 continue
             req.status = ReqStatus.RUNNING
+            if self.tier_loads is not None:
+                self.tier_loads.forget(req)
             if not req.stats_counted:
                 req.stats_counted = True
                 req.num_cached_tokens = req.num_computed_tokens
@@ -266,11 +282,12 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         live = self.running + self.prefilling
         kv = self.mem.usage(live)
+        loading = 0 if self.tier_loads is None else len(self.tier_loads.held_slots())
         return {
             "num_running": len(live), "num_waiting": len(self.waiting),
             "kv_total_tokens": kv.total, "kv_free_tokens": kv.free,
             "kv_cached_tokens": kv.cached, "kv_evictable_tokens": kv.evictable,
-            "kv_held_tokens": kv.held, **self.counters.as_stats(), **self.spec.stats(),
+            "kv_held_tokens": kv.held + loading, **self.counters.as_stats(), **self.spec.stats(),
             # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
             "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
             "num_pins": len(self.pins.pins), "pinned_tokens": self.pins.pinned_tokens,
@@ -280,4 +297,14 @@ class Scheduler:
         live = self.running + self.prefilling
         assert all(r.status is ReqStatus.RUNNING for r in live)
         assert all(r.status is ReqStatus.WAITING and not r.slots for r in self.waiting)
-        self.mem.check_integrity(live, self.pins.locked_tokens())
+        loads = self.tier_loads
+        if loads is None:
+            self.mem.check_integrity(live, self.pins.locked_tokens())
+            return
+        idle = loads.tiers.writer.idle()
+        if idle:
+            loads.tiers.check_stores()
+        loads.sync()  # the tree forgets what the stores dropped
+        self.mem.check_integrity(live, self.pins.locked_tokens(), loads.held_slots())
+        if idle and loads.tiers.writer.idle():
+            loads.tiers.check_tree(self.mem.cache.tier_keys())

@@ -8,11 +8,12 @@ anything it does not read; it never mutates what it probes.
 from __future__ import annotations
 
 from radixserve.ipc.client import EngineClient
-from radixserve.kv_events import KVEventPublisher
+from radixserve.kv_events import KVEventPublisher, is_pool_medium
 
 
 def num_live_blocks(publisher: KVEventPublisher) -> int:
-    return len(publisher._live)
+    """Blocks the publisher believes are in the pool (tier media not counted)."""
+    return sum(len(h) for medium, h in publisher._live.items() if is_pool_medium(medium))
 
 
 def num_in_flight(client: EngineClient) -> int:

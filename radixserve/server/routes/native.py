@@ -119,10 +119,20 @@ async def server_info(request: web.Request) -> web.Response:
         "engine_config": dataclasses.asdict(cfg.engine),
         "server_config": server,
         "stats": state.client.stats,
+        "kv_offload": _kv_offload(info, state.client.stats),
         "num_queued": state.admission.num_queued,
         "engine_pid": getattr(state.client.transport, "pid", None),
         "uptime_s": round(time.time() - state.started, 3),
     })
+
+
+def _kv_offload(info: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any] | None:
+    """The tiers below the pool: their settings, the measured load bandwidth and prefill rate
+    (the load-or-recompute decision), per-tier counters and errors; None without tiers."""
+    static = info.get("kv_offload")
+    if not static:
+        return None
+    return {**static, **(stats.get("kv_offload") or {})}
 
 
 async def version_route(request: web.Request) -> web.Response:
