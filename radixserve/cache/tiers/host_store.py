@@ -1,0 +1,163 @@
+"""HostStore: KV blocks in host memory with an LRU byte bound (the tier above the disk on CUDA).
+
+Owns: one uint8 buffer per block, their LRU order and byte bound. Buffers are pinned host
+memory when CUDA is available (so a load is one async H2D copy, and a demotion one D2H copy
+straight into it: get_buffer / put_tensor), plain memory otherwise. Does not know: the disk
+tier below it (the tree demotes what take_evicted() reports), what a payload means.
+
+Same contract as BlockStore (put/get/contains/delete/keys/take_evicted/stats/check_integrity)
+minus the checksum: host memory is trusted, so a miss here is only ever ABSENT.
+Thread safety: one lock guards the index and the buffer map; copies into a new buffer run
+outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from radixserve.cache.tiers.keys import (
+    Fingerprint,
+    LoadResult,
+    MissReason,
+    StoreStatus,
+    Tier,
+    TierStats,
+)
+from radixserve.cache.tiers.lru_index import LruIndex, TierCounters
+
+
+class HostStore:
+    def __init__(self, capacity_bytes: int, fp: Fingerprint, tier: Tier = Tier.LOCAL, *,
+                 pin: bool | None = None) -> None:
+        if tier is Tier.POOL:
+            raise ValueError("a HostStore is a LOCAL or SHARED tier, not the pool")
+        self.tier = tier
+        self.fp = fp
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        self._lock = threading.Lock()
+        self._index = LruIndex(capacity_bytes)
+        self._bufs: dict[str, torch.Tensor] = {}  # key -> (nbytes,) uint8, pinned on CUDA
+        self._counters = TierCounters()
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)  # (nbytes,)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index.sizes)
+
+    def take_evicted(self) -> list[str]:
+        """Keys this store evicted (LRU) since the last call."""
+        with self._lock:
+            return self._index.take_evicted()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return self._counters.snapshot(self.tier, self._index)
+
+    # -- put -----------------------------------------------------------------------------------
+
+    def put(self, key: str, payload: bytes | memoryview) -> StoreStatus:
+        view = memoryview(payload).cast("B")
+        src = np.frombuffer(view, dtype=np.uint8)  # (nbytes,), no copy
+
+        def fill(buf: torch.Tensor) -> None:
+            buf.numpy()[:] = src
+
+        return self._put(key, len(view), fill)
+
+    def put_tensor(self, key: str, src: torch.Tensor) -> StoreStatus:
+        """Store the bytes of a contiguous tensor (any device; a CUDA one is copied D2H, and
+        the copy is complete when this returns)."""
+        flat = src.contiguous().view(torch.uint8).reshape(-1)  # (nbytes,)
+        return self._put(key, flat.numel(), lambda buf: buf.copy_(flat))
+
+    def _put(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], object]) -> StoreStatus:
+        t0 = time.perf_counter()
+        with self._lock:
+            if key in self._index:
+                return StoreStatus.EXISTS
+            if nbytes > self._index.capacity:
+                self._counters.errors["no_space"] += 1
+                return StoreStatus.NO_SPACE
+        try:
+            buf = self._alloc(nbytes)
+            fill(buf)
+        except (RuntimeError, MemoryError):  # pinned/host allocation failed
+            with self._lock:
+                self._counters.errors["no_space"] += 1
+            return StoreStatus.NO_SPACE
+        with self._lock:
+            if key in self._index:
+                return StoreStatus.EXISTS
+            victims = self._index.plan_room(nbytes)
+            if victims is None:
+                self._counters.errors["no_space"] += 1
+                return StoreStatus.NO_SPACE
+            for victim in victims:
+                del self._bufs[victim]
+            self._bufs[key] = buf
+            self._index.add(key, nbytes)
+            self._counters.stored_bytes += nbytes
+            self._counters.store_s += time.perf_counter() - t0
+        return StoreStatus.STORED
+
+    # -- get / delete --------------------------------------------------------------------------
+
+    def get_buffer(self, key: str) -> torch.Tensor | None:
+        """The block's own buffer (no copy; pinned on CUDA, so `.to(dev, non_blocking=True)`
+        overlaps), or None. Counts a hit/miss and touches the LRU like get(). The buffer is
+        not reused after eviction (a new one is allocated per put), so holding it is safe."""
+        t0 = time.perf_counter()
+        with self._lock:
+            buf = self._bufs.get(key)
+            if buf is None:
+                self._counters.misses += 1
+                return None
+            self._index.touch(key)
+            self._counters.hits += 1
+            self._counters.loaded_bytes += buf.numel()
+            self._counters.load_s += time.perf_counter() - t0
+            return buf
+
+    def get(self, key: str) -> LoadResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            buf = self._bufs.get(key)
+            if buf is None:
+                self._counters.misses += 1
+                return LoadResult(None, MissReason.ABSENT)
+            self._index.touch(key)
+        data = buf.numpy().tobytes()
+        with self._lock:
+            self._counters.hits += 1
+            self._counters.loaded_bytes += len(data)
+            self._counters.load_s += time.perf_counter() - t0
+        return LoadResult(data, None)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._index.remove(key)
+            self._bufs.pop(key, None)
+
+    def refresh(self) -> None:
+        """Nothing to re-scan in memory (present so either store can be refreshed)."""
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._index.check()
+            assert self._index.bytes_used <= self._index.capacity, "over capacity"
+            assert set(self._bufs) == set(self._index.sizes), "buffers != index"
+            for key, size in self._index.sizes.items():
+                assert self._bufs[key].numel() == size, f"block {key}: buffer size != indexed"

@@ -1,0 +1,98 @@
+"""The bounded LRU index and the counters shared by every tier store.
+
+Owns: key -> stored size in recency order, the byte total, the list of keys evicted since the
+caller last asked, and the statistics counters. Does not know: where the bytes are (files or
+host memory) nor locking (each store holds its own lock around every call here).
+
+Invariant (check): bytes_used == sum(sizes) and bytes_used <= capacity after every plan_room.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from radixserve.cache.tiers.keys import Tier, TierStats
+
+
+class LruIndex:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity = capacity_bytes
+        self.sizes: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self.bytes_used = 0
+        self.evicted: list[str] = []
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def add(self, key: str, size: int) -> None:
+        """Insert (or replace) `key` as the most recent entry."""
+        self.remove(key)
+        self.sizes[key] = size
+        self.bytes_used += size
+
+    def remove(self, key: str) -> bool:
+        size = self.sizes.pop(key, None)
+        if size is None:
+            return False
+        self.bytes_used -= size
+        return True
+
+    def touch(self, key: str) -> None:
+        if key in self.sizes:
+            self.sizes.move_to_end(key)
+
+    def plan_room(self, need: int, keep: str | None = None) -> list[str] | None:
+        """The oldest keys to evict so that `need` more bytes fit; None if they never can.
+
+        Removes them from the index and records them in `evicted`; the caller deletes their
+        bytes. `keep` (the key being written) is never chosen.
+        """
+        victims: list[str] = []
+        freed = 0
+        for key, size in self.sizes.items():
+            if self.bytes_used - freed + need <= self.capacity:
+                break
+            if key != keep:
+                victims.append(key)
+                freed += size
+        if self.bytes_used - freed + need > self.capacity:
+            return None  # nothing evicted: the block does not fit even in an empty store
+        for key in victims:
+            self.remove(key)
+        self.evicted.extend(victims)
+        return victims
+
+    def take_evicted(self) -> list[str]:
+        out, self.evicted = self.evicted, []
+        return out
+
+    def check(self) -> None:
+        assert self.bytes_used == sum(self.sizes.values()), "bytes_used != sum of entry sizes"
+        assert all(s >= 0 for s in self.sizes.values())
+
+
+class TierCounters:
+    """Monotone totals since the store started (the metrics read them through stats())."""
+
+    def __init__(self) -> None:
+        self.stored_bytes = 0
+        self.loaded_bytes = 0
+        self.load_s = 0.0
+        self.store_s = 0.0
+        self.hits = 0
+        self.misses = 0
+        self.errors: Counter[str] = Counter()
+
+    def snapshot(self, tier: Tier, index: LruIndex) -> TierStats:
+        return TierStats(
+            tier=tier, num_blocks=len(index), bytes_used=index.bytes_used,
+            capacity_bytes=index.capacity, stored_bytes_total=self.stored_bytes,
+            loaded_bytes_total=self.loaded_bytes, load_seconds_total=self.load_s,
+            store_seconds_total=self.store_s, hits=self.hits, misses=self.misses,
+            errors=dict(self.errors),
+        )
