@@ -129,7 +129,9 @@ async def _serve_trace(base_url: str, trace: Trace, args: argparse.Namespace
 def run_one(name: str, trace: Trace, args: argparse.Namespace, log: Path) -> BenchSummary | str:
     tier_dir = Path(tempfile.mkdtemp(prefix=f"tiers-{name}-", dir=args.tier_parent))
     try:
-        spec = SystemSpec(name, system_argv(name, args, trace, tier_dir))
+        spec = SystemSpec(name, system_argv(name, args, trace, tier_dir),
+                          env={"PYTHONPATH": args.server_root} if args.server_root else {},
+                          cwd=args.server_root or SystemSpec.cwd)
         print(f"== {trace.name} / {name}: {' '.join(spec.argv)}", flush=True)
         with ServerProcess(spec, log) as server:
             return asyncio.run(_serve_trace(server.base_url, trace, args))
@@ -188,6 +190,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-size", type=float, default=16.0, help="GiB (--kv-offload-size)")
     p.add_argument("--tier-parent", default=None, help="where tier dirs go (default $TMPDIR)")
     p.add_argument("--radixserve-args", default="", help="extra flags for every server")
+    p.add_argument("--server-root", default=None,
+                   help="serve the radixserve of this checkout (a branch's worktree) instead")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
     p.add_argument("--output-dir", default="bench/results")
