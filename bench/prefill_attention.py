@@ -35,7 +35,7 @@ def extend_meta(tokens: int, prefix: int) -> tuple[AttentionMetadata, int]:
     table[0, prefix:] = torch.arange(prefix, seq, dtype=torch.int32)
     one = torch.ones(1, dtype=torch.int32)
     meta = AttentionMetadata(
-        phase=Phase.EXTEND, slot_table=table, rows=torch.zeros(1, dtype=torch.int64),
+        phase=Phase.PREFILL, slot_table=table, rows=torch.zeros(1, dtype=torch.int64),
         prefix_lens=one * prefix, extend_lens=one * tokens, seq_lens=one * seq,
         cu_extend=torch.tensor([0, tokens], dtype=torch.int32),
         out_slots=table[0, prefix:].long(), prefix_lens_cpu=(prefix,), extend_lens_cpu=(tokens,),

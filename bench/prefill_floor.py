@@ -158,7 +158,7 @@ def report(runs: list[dict[str, Any]], threads: int) -> None:
     print(f"{'loop/rest':12s} {rest:9.2f}  {rest / wall:6.1%}")
     steps, parts = runs[0]["steps"], runs[0]["parts"]
     print("\nforwards of the first run, by phase:")
-    for phase in ("extend", "decode", "mixed"):
+    for phase in ("prefill", "decode", "mixed"):
         sel = [(s, p) for s, p in zip(steps, parts, strict=True) if s[0] == phase]
         if sel:
             toks = [s[1] for s, _ in sel]

@@ -73,8 +73,8 @@ def run_scenario(llm: Any, timer: StepTimer, prompts: list[list[int]], params: A
         "tok_s": sum(len(r.token_ids) for r in res) / total,
         "total_s": total,
         "decode_ms": 1000 * statistics.median(decode) if decode else 0.0,
-        "prefill_ms": [round(1000 * s, 1) for p, _, _, s in steps if p == "extend"],
-        "prefill_shapes": [(b, n) for p, b, n, _ in steps if p == "extend"],
+        "prefill_ms": [round(1000 * s, 1) for p, _, _, s in steps if p == "prefill"],
+        "prefill_shapes": [(b, n) for p, b, n, _ in steps if p == "prefill"],
         "ttft_s": statistics.mean(r.ttft for r in res),
         "outputs": [r.token_ids for r in res],
     }
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="another source tree (containing radixserve/)")
     ap.add_argument("--ops", action="store_true", help="profile the ops of one decode step")
     ap.add_argument("--ops-rows", type=int, default=25)
-    ap.add_argument("--ops-phase", choices=["decode", "extend"], default="decode")
+    ap.add_argument("--ops-phase", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--ops-index", type=int, default=4, help="which step of that phase (1-based)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

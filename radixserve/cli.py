@@ -17,6 +17,7 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    KV_OFFLOAD_WRITE_POLICIES,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
     TOOL_CALL_PARSERS,
@@ -45,6 +46,15 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
     ("--tenant-cache-quota", float, "tenant_cache_quota",
      "fraction of the KV pool one API key may keep cached before it is evicted first"),
+    ("--kv-offload-dir", str, "kv_offload_dir", "local tier: KV evicted from the pool is kept "
+     "as files here and loaded back instead of recomputed; survives restarts"),
+    ("--kv-offload-size", float, "kv_offload_size", "bound of the local tier in GiB (default 16)"),
+    ("--kv-shared-dir", str, "kv_shared_dir", "shared tier: a directory several replicas "
+     "mount; computed KV blocks are published here and loaded by any replica"),
+    ("--kv-offload-write-policy", str, "kv_offload_write_policy",
+     f"when the local tier is written: {' | '.join(KV_OFFLOAD_WRITE_POLICIES)}"),
+    ("--kv-offload-host-size", float, "kv_offload_host_size",
+     "CUDA: GiB of pinned host memory above the local tier's disk (default 4)"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),
@@ -132,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"radixserve: error: {err}", file=sys.stderr)
         return 2
     if cfg.api_keys_file is not None:
-        from radixserve.server.keys import load_keys_file
+        from radixserve.api.keys import load_keys_file
 
         try:
             load_keys_file(cfg.api_keys_file)  # fail fast, before anything starts

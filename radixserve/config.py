@@ -6,14 +6,27 @@ Owns: ModelConfig-independent knobs (EngineConfig, ServerConfig). Does not know:
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+class SchedulePolicy(enum.StrEnum):
+    """Order of the waiting queue (sched/policy.py); the values are the CLI's strings."""
+
+    LPM = "lpm"  # longest prefix match first (with an age guard)
+    FCFS = "fcfs"  # arrival order
+
+
+SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
 EVICTION_POLICIES = ("lru", "slru")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py's registry
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
+KV_OFFLOAD_WRITE_POLICIES = ("write_back", "write_through")
+TIER_BLOCK_SIZE = 16  # tier blocks are kv_events' blocks
 
 
 class ConfigError(ValueError):
@@ -32,12 +45,12 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # default: sized from free memory
     page_size: int = 1
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # token budget of one extend batch
+    max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int = 2048  # 0 disables chunking
     # While requests decode, prefill chunks (up to chunked_prefill_size tokens) share their
     # forward (MIXED steps); False: decode and prefill steps alternate.
     mixed_chunk: bool = True
-    schedule_policy: str = "lpm"
+    schedule_policy: SchedulePolicy = SchedulePolicy.LPM  # a string is parsed at the edge
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
     seed: int = 0
@@ -50,8 +63,24 @@ class EngineConfig:
     # Pinned prefixes (POST /cache/pin) may lock at most this many tokens; None: a quarter of
     # the KV pool, so pins can never starve serving.
     max_pinned_tokens: int | None = None
+    # Tiers below the pool (cache/kv_tiers.py). The local tier: files under this directory,
+    # bounded by kv_offload_size GiB (on CUDA with host memory of kv_offload_host_size GiB
+    # above the disk); the shared tier: a directory several replicas mount, written through.
+    kv_offload_dir: str | None = None
+    kv_offload_size: float = 16.0
+    kv_shared_dir: str | None = None
+    kv_offload_write_policy: str = "write_back"  # or write_through (bench/README.md)
+    kv_offload_host_size: float = 4.0
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offload_dir is not None or self.kv_shared_dir is not None
 
     def __post_init__(self) -> None:
+        for name in ("kv_offload_dir", "kv_shared_dir"):
+            value = getattr(self, name)
+            if value is not None:  # a Path is accepted (LLM(kv_offload_dir=tmp_path))
+                object.__setattr__(self, name, os.fspath(value))
         if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -62,6 +91,7 @@ class EngineConfig:
                 f"unknown schedule policy {self.schedule_policy!r}; "
                 f"supported: {', '.join(SCHEDULE_POLICIES)}"
             )
+        object.__setattr__(self, "schedule_policy", SchedulePolicy(self.schedule_policy))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {self.attention_backend!r}; "
@@ -87,6 +117,28 @@ class EngineConfig:
             raise ConfigError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if not self.kv_offload_size > 0 or not self.kv_offload_host_size > 0:
+            raise ConfigError(f"kv_offload_size and kv_offload_host_size must be > 0 GiB, got "
+                              f"{self.kv_offload_size} and {self.kv_offload_host_size}")
+        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
+            raise ConfigError(f"unknown kv_offload_write_policy "
+                              f"{self.kv_offload_write_policy!r}; supported: "
+                              f"{', '.join(KV_OFFLOAD_WRITE_POLICIES)}")
+        if not self.kv_tiers_enabled:
+            return
+        if TIER_BLOCK_SIZE % self.page_size:
+            raise ConfigError(f"--kv-offload-dir / --kv-shared-dir store {TIER_BLOCK_SIZE}-token "
+                              f"blocks: page_size must divide {TIER_BLOCK_SIZE}, got "
+                              f"{self.page_size}")
+        if self.disable_radix_cache:
+            raise ConfigError("--kv-offload-dir / --kv-shared-dir extend the radix cache: they "
+                              "cannot be used with --disable-radix-cache")
+        if self.kv_offload_dir is not None and self.kv_offload_dir == self.kv_shared_dir:
+            raise ConfigError("--kv-offload-dir and --kv-shared-dir must be different "
+                              "directories")
 
 
 @dataclass(frozen=True)

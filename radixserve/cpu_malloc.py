@@ -8,9 +8,8 @@ chunk (a 2048-token chunk's gate/up output is 12.6 MB in fp32). glibc serves blo
 mmap threshold (128 KB, raised dynamically only up to 32 MB) with a fresh mmap and unmaps them
 on free, and trims freed memory at the top of the heap: either way the next forward's tensors
 arrive as untouched pages and every 4 KB page faults (and is zeroed by the kernel) on first
-write. On this project's 2-core EPYC a torch RMSNorm over (2048, 576) fp32 took 6.7 ms with
-the defaults and 0.57 ms with the pages kept; 32 distinct 516-token prompts through
-`LLM.generate` (fp32, 1 thread) went from 51.9 s to 48.2 s (bench/README.md). With mmap off
+write, which costs more than the op itself on a small model (figures: bench/README.md,
+"Figures moved from code comments"). With mmap off
 (M_MMAP_MAX = 0) and a trim threshold of 2 GB, the heap keeps its high-water mark: the
 engine's resident memory stays at its peak activation size instead of shrinking between steps.
 """

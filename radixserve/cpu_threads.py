@@ -36,10 +36,9 @@ def default_num_threads(cores: int | None = None) -> ThreadChoice:
     the weights, gains less). The spare core keeps the API process (HTTP, tokenizer,
     detokenizer, SSE) and anything else on the box from preempting an OpenMP thread in the
     middle of a parallel region, where every other thread then waits for it. On a 2-core
-    machine whose other core is busy that wait dominates: 8 x 516-token prompts took 237 s
-    at 2 threads against 62 s at 1 (bench/README.md, "Threads"), so 2 cores get 1 thread.
-    On a quiet 2-core machine `--num-threads 2` is faster (offline 1.85x, through HTTP
-    ~1.6x: bench/README.md round 4), but swings 10-15% with the API process's wake-ups.
+    machine whose other core is busy that wait dominates, so 2 cores get 1 thread. On a
+    quiet 2-core machine `--num-threads 2` is faster, but swings with the API process's
+    wake-ups (figures: bench/README.md, "Threads" and "Figures moved from code comments").
     """
     n = usable_cores() if cores is None else cores
     if n == 1:

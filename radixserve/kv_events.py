@@ -2,7 +2,7 @@
 
 Owns: the hash a replica and the router must agree on, the wire format of `/kv_events`, and
 the conversion of the radix cache's node-level events into block-level ones. Does not know:
-HTTP (server/kv_events_route.py streams batches), the radix tree itself (its `CacheEvent` is
+HTTP (server/routes/kv_events.py streams batches), the radix tree itself (its `CacheEvent` is
 duck-typed: `kind`, `token_ids`, `prefix_len`, `salt`).
 
 The block hash (a hash that differs across processes silently turns every lookup into a
@@ -16,20 +16,25 @@ miss, so it is spelled out here and pinned by a test against xxhash itself):
 
 Block i's hash therefore covers every token before it and the salt, so equal hashes mean
 equal prefixes of the same cache namespace. The salt is `cache_salt_for_api_key(key)`
+(radixserve/api/keys.py)
 (or "" for the shared namespace), chosen by the server, never by the client.
 
 Wire format (one JSON object per SSE `data:` line):
     {"seq": 7, "events": [
         {"type": "BlockStored", "block_hashes": [..], "parent_block_hash": int | null,
-         "token_ids": [..], "block_size": 16},
-        {"type": "BlockRemoved", "block_hashes": [..]},
+         "token_ids": [..], "block_size": 16, "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": [..], "medium": "CPU"},
         {"type": "AllBlocksCleared"}]}
+
+`medium` says where the blocks are, as vLLM's events do: "GPU" / "CPU" for the KV pool (the
+device it is on), "LOCAL_DISK" for the local tier (--kv-offload-dir), "SHARED" for the tier
+replicas share (--kv-shared-dir); null (older replicas) means the pool. A block may be in
+several media at once; a removal names the medium it left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -42,6 +47,16 @@ import xxhash
 
 DEFAULT_BLOCK_SIZE = 16
 _HASH_SEED = 0
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_LOCAL_DISK = "LOCAL_DISK"
+MEDIUM_SHARED = "SHARED"
+POOL_MEDIUMS = frozenset({None, MEDIUM_GPU, MEDIUM_CPU})
+
+
+def is_pool_medium(medium: str | None) -> bool:
+    return medium in POOL_MEDIUMS
 
 
 def chained_hashes(chunks: Iterable[bytes], salt: str = "") -> list[int]:
@@ -69,13 +84,6 @@ def block_hashes(
     return chained_hashes((packed[i * step : (i + 1) * step] for i in range(num_blocks)), salt)
 
 
-def cache_salt_for_api_key(api_key: str | None) -> str:
-    """The cache namespace of an API key: "" for none, else 16 hex chars of its sha256."""
-    if api_key is None:
-        return ""
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:16]
-
-
 @dataclass(frozen=True)
 class BlockStored:
     """Consecutive full blocks newly cached; `parent_block_hash` is the block before the first."""
@@ -84,11 +92,13 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]  # the tokens of these blocks, len == block_size * len(hashes)
     block_size: int
+    medium: str | None = None  # None: the pool
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,10 +128,11 @@ def encode_batch(batch: EventBatch) -> bytes:
             events.append({
                 "type": "BlockStored", "block_hashes": list(ev.block_hashes),
                 "parent_block_hash": ev.parent_block_hash, "token_ids": list(ev.token_ids),
-                "block_size": ev.block_size,
+                "block_size": ev.block_size, "medium": ev.medium,
             })
         elif isinstance(ev, BlockRemoved):
-            events.append({"type": "BlockRemoved", "block_hashes": list(ev.block_hashes)})
+            events.append({"type": "BlockRemoved", "block_hashes": list(ev.block_hashes),
+                           "medium": ev.medium})
         else:
             events.append({"type": "AllBlocksCleared"})
     return orjson.dumps({"seq": batch.seq, "events": events})
@@ -139,9 +150,11 @@ def decode_batch(data: bytes | str) -> EventBatch:
                     tuple(int(h) for h in ev["block_hashes"]),
                     None if ev["parent_block_hash"] is None else int(ev["parent_block_hash"]),
                     tuple(int(t) for t in ev["token_ids"]), int(ev["block_size"]),
+                    _medium(ev),
                 ))
             elif kind == "BlockRemoved":
-                events.append(BlockRemoved(tuple(int(h) for h in ev["block_hashes"])))
+                events.append(BlockRemoved(tuple(int(h) for h in ev["block_hashes"]),
+                                           _medium(ev)))
             elif kind == "AllBlocksCleared":
                 events.append(AllBlocksCleared())
             else:
@@ -151,6 +164,13 @@ def decode_batch(data: bytes | str) -> EventBatch:
         raise
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise KVEventDecodeError(f"malformed kv event batch: {e}") from e
+
+
+def _medium(ev: dict[str, Any]) -> str | None:
+    medium = ev.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise KVEventDecodeError(f"medium must be a string or null, got {medium!r}")
+    return medium
 
 
 def _kind_name(kind: Any) -> str:
@@ -175,7 +195,7 @@ class KVEventPublisher:
         self.block_size = block_size
         self.keepalive_s = keepalive_s
         self._buffer: deque[EventBatch] = deque(maxlen=max_batches)
-        self._live: set[int] = set()
+        self._live: dict[str | None, set[int]] = {}  # medium -> block hashes held there
         self._last_seq = 0
         self._wakeup: asyncio.Event | None = None
         self._closed = False
@@ -187,10 +207,6 @@ class KVEventPublisher:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def num_live_blocks(self) -> int:
-        return len(self._live)
 
     def publish(self, cache_events: Iterable[Any]) -> EventBatch | None:
         """Convert radix-cache events and append them as one batch; None if no block changed.
@@ -209,15 +225,16 @@ class KVEventPublisher:
         kept: list[BlockEvent] = []
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._live.update(ev.block_hashes)
+                self._live.setdefault(ev.medium, set()).update(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 # NOTE: only announce blocks that were announced; a removal of a never-stored
                 # block (a partial one, or a duplicate removal) would only confuse subscribers.
-                gone = tuple(h for h in ev.block_hashes if h in self._live)
+                live = self._live.get(ev.medium, set())
+                gone = tuple(h for h in ev.block_hashes if h in live)
                 if not gone:
                     continue
-                self._live.difference_update(gone)
-                ev = BlockRemoved(gone)
+                live.difference_update(gone)
+                ev = BlockRemoved(gone, ev.medium)
             else:
                 self._live.clear()
             kept.append(ev)
@@ -230,6 +247,8 @@ class KVEventPublisher:
         return batch
 
     def _convert(self, ce: Any) -> list[BlockEvent]:
+        if isinstance(ce, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            return [ce]  # already block-level (the tiers' events)
         kind = _kind_name(ce.kind)
         if kind == "cleared":
             return [AllBlocksCleared()]
@@ -240,19 +259,22 @@ class KVEventPublisher:
         if first >= num_full:
             return []
         hashes = block_hashes(path[: num_full * bs], bs, ce.salt)
+        medium = getattr(ce, "medium", None)
         if kind == "stored":
             parent = hashes[first - 1] if first > 0 else None
             tokens = tuple(int(t) for t in path[first * bs : num_full * bs])
-            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs)]
+            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs, medium)]
         if kind == "removed":
-            return [BlockRemoved(tuple(hashes[first:]))]
+            return [BlockRemoved(tuple(hashes[first:]), medium)]
         raise ValueError(f"unknown cache event kind {kind!r}")
 
     def snapshot(self) -> EventBatch:
-        """Everything cached now, as `AllBlocksCleared` + one `BlockStored` without token ids."""
+        """Everything cached now, as `AllBlocksCleared` + one `BlockStored` without token ids
+        per medium."""
         events: list[BlockEvent] = [AllBlocksCleared()]
-        if self._live:
-            events.append(BlockStored(tuple(self._live), None, (), self.block_size))
+        for medium, hashes in self._live.items():
+            if hashes:
+                events.append(BlockStored(tuple(hashes), None, (), self.block_size, medium))
         return EventBatch(self._last_seq, tuple(events))
 
     def batches_since(self, seq: int) -> list[EventBatch]:

@@ -68,7 +68,7 @@ class FinishReason(enum.Enum):
 
 
 class Phase(enum.Enum):
-    EXTEND = "extend"  # prefill of (part of) the uncached suffix of each request
+    PREFILL = "prefill"  # (a chunk of) the uncomputed suffix of each request's prompt
     DECODE = "decode"  # one new token per request
     MIXED = "mixed"  # one new token for each running request, then prefill chunks
 

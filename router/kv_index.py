@@ -9,6 +9,11 @@ reconnect. Does not know: policies, HTTP routing, how token ids are produced.
 A worker whose stream is down is "not live": `match` answers None and the caller falls back to
 the approximate index for it.
 
+Tiers: an event's `medium` says where its blocks are. Blocks in the KV pool (medium null,
+"GPU" or "CPU") are `blocks`; blocks only in a tier below it ("LOCAL_DISK", "SHARED") are
+`tier_blocks`: the replica can load them instead of recomputing, which is worth less than a
+pool hit and more than a miss, so `match` counts such a block TIER_HIT_WEIGHT.
+
 Memory bound: each worker's set holds at most `max_blocks` hashes (a replica that announces
 more than that, or whose removals were lost, costs no more): past it, the hashes stored or
 matched longest ago are forgotten first (`num_dropped` counts them), which can only cost a cache hit.
@@ -33,16 +38,19 @@ from radixserve.kv_events import (
     EventBatch,
     KVEventDecodeError,
     decode_batch,
+    is_pool_medium,
 )
 
 log = logging.getLogger(__name__)
 
 MAX_SSE_EVENT_BYTES = 64 << 20  # a snapshot of a huge cache is one event; beyond: a bad peer
+TIER_HIT_WEIGHT = 0.5  # a block a replica holds only in a tier, against 1 for a pool block
 
 
 @dataclass
 class WorkerKV:
     blocks: dict[int, None] = field(default_factory=dict)  # use order: least recent first
+    tier_blocks: dict[int, None] = field(default_factory=dict)  # in a tier below the pool
     pending: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> expiry
     last_seq: int = 0
     live: bool = False
@@ -55,15 +63,18 @@ class WorkerKV:
         """The block hashes this worker holds (a read-only set view)."""
         return self.blocks.keys()
 
-    def store(self, block_hashes: Sequence[int], max_blocks: int) -> None:
+    def store(self, block_hashes: Sequence[int], max_blocks: int, in_pool: bool = True
+              ) -> None:
+        where = self.blocks if in_pool else self.tier_blocks
         for h in block_hashes:
-            self.blocks.pop(h, None)  # re-stored: now the newest
-            self.blocks[h] = None
-            self.pending.pop(h, None)
-        excess = len(self.blocks) - max_blocks
+            where.pop(h, None)  # re-stored: now the newest
+            where[h] = None
+            if in_pool:
+                self.pending.pop(h, None)
+        excess = len(where) - max_blocks
         if excess > 0:
-            for h in list(itertools.islice(self.blocks, excess)):
-                del self.blocks[h]
+            for h in list(itertools.islice(where, excess)):
+                del where[h]
             self.num_dropped += excess
 
 
@@ -96,18 +107,24 @@ class PreciseIndex:
         if st is not None:
             st.live = live
 
-    def match(self, token_hashes: Sequence[int], url: str) -> int | None:
-        """Consecutive blocks from block 0 that `url` holds or was just sent; None if not live."""
+    def match(self, token_hashes: Sequence[int], url: str) -> float | None:
+        """Consecutive blocks from block 0 that `url` holds or was just sent, a block it holds
+        only in a tier counting TIER_HIT_WEIGHT; None if not live."""
         if not self.is_live(url):
             return None
         st = self._workers[url]
         self._expire(st)
-        n = 0
+        n = 0.0
         for h in token_hashes:
             if h in st.blocks:
                 del st.blocks[h]  # used: now the newest, the last the memory bound drops
                 st.blocks[h] = None
-            elif h not in st.pending:
+            elif h in st.pending:
+                pass
+            elif h in st.tier_blocks:
+                n += TIER_HIT_WEIGHT
+                continue
+            else:
                 break
             n += 1
         return n
@@ -143,13 +160,18 @@ class PreciseIndex:
                                 "using the approximate index for it", url, ev.block_size,
                                 self.block_size)
                     st.block_size_mismatch = True
-                st.store(ev.block_hashes, self.max_blocks)
+                st.store(ev.block_hashes, self.max_blocks, is_pool_medium(ev.medium))
             elif isinstance(ev, BlockRemoved):
+                pool = is_pool_medium(ev.medium)
                 for h in ev.block_hashes:
-                    st.blocks.pop(h, None)
-                    st.pending.pop(h, None)
+                    if pool:
+                        st.blocks.pop(h, None)
+                        st.pending.pop(h, None)
+                    else:
+                        st.tier_blocks.pop(h, None)
             elif isinstance(ev, AllBlocksCleared):
                 st.blocks.clear()
+                st.tier_blocks.clear()
                 st.pending.clear()
         st.last_seq = batch.seq
         st.num_batches += 1

@@ -11,7 +11,7 @@ Approximate keys (router-internal, never compared with a replica):
   - chat: chained hashes of orjson([[role, content], ...]) over the WHOLE message list (keys
     sorted), so turn n+1 of a conversation extends turn n's bytes and matches its blocks.
     A Responses API request (`input` items, `instructions`) is keyed by the chat messages it
-    amounts to (radixserve.server.responses_protocol), as the replica renders it.
+    amounts to (radixserve.api.responses), as the replica renders it.
 Precise keys: `block_hashes(token ids, kv_block_size, salt)`, the replica's own chain. A
 request with a Bearer key gets two chains, salted and unsalted: a replica with auth on salts
 by the key (and holds no unsalted blocks), one with auth off or --shared-cache salts nothing
@@ -29,8 +29,9 @@ from typing import Any, NamedTuple, Protocol
 
 import orjson
 
-from radixserve.kv_events import block_hashes, cache_salt_for_api_key, chained_hashes
-from radixserve.server.responses_protocol import input_messages
+from radixserve.api.keys import cache_salt_for_api_key
+from radixserve.api.responses import input_messages
+from radixserve.kv_events import block_hashes, chained_hashes
 from radixserve.types import InvalidRequestError
 
 

@@ -31,9 +31,9 @@ from router.route_key import (
 )
 from router.workers import Worker, WorkerPool
 
-# Up to this many characters a prompt is tokenized on the loop: a fast BPE tokenizer needs
-# ~0.1-0.5 ms for it, about what handing it to a thread costs on a busy host (measured
-# ~0.4 ms per hop); longer prompts go to the default executor.
+# Up to this many characters a prompt is tokenized on the loop: a fast BPE tokenizer takes
+# about as long as handing the work to a thread costs on a busy host (figures:
+# bench/README.md); longer prompts go to the default executor.
 INLINE_ENCODE_CHARS = 2048
 
 
@@ -94,7 +94,7 @@ class Router:
             chains = token_chains(prompt, salts, bs, self.encoder)
         return RouteKey(tuple(approx), tuple(chains))
 
-    def _precise_match(self, key: RouteKey, url: str) -> int | None:
+    def _precise_match(self, key: RouteKey, url: str) -> float | None:
         if self.precise is None or not key.token_chains:
             return None
         matches = [self.precise.match(chain, url) for chain in key.token_chains]
@@ -110,7 +110,7 @@ class Router:
             chosen = next(w for w in workers if w.url == choice.url)
             return Decision(chosen, choice.reason, 0, 0)
         approx = self.index.match(key.approx_hashes, [w.url for w in workers])
-        scored: dict[str, tuple[int, int]] = {}  # url -> (matched, total) blocks
+        scored: dict[str, tuple[float, int]] = {}  # url -> (matched, total) blocks
         candidates = []
         for w in workers:
             exact = self._precise_match(key, w.url)
@@ -122,7 +122,8 @@ class Router:
             candidates.append(Candidate(w.url, w.in_flight, matched / total if total else 0.0))
         choice = self.policy.choose(candidates)
         chosen = next(w for w in workers if w.url == choice.url)
-        return Decision(chosen, choice.reason, *scored[chosen.url])
+        matched, total = scored[chosen.url]
+        return Decision(chosen, choice.reason, int(matched), total)
 
     def record(self, key: RouteKey, decision: Decision) -> None:
         """The chosen worker now holds (or soon will) the request's blocks."""

@@ -88,19 +88,38 @@ class ServerProc:
                 self.proc.wait(10)
         return self.proc.returncode
 
+    def stop_group(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """`sig` to the server's whole process group (as a terminal's Ctrl-C or `make serve`'s
+        supervisor sends it: the engine process gets it too). Needs `new_session=True`."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        code = self.stop(timeout=timeout)
+        # The group's last processes (multiprocessing's resource tracker) write to the log as
+        # they exit: wait until none is left, so output() is complete.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        return code
+
 
 @contextlib.contextmanager
 def running_server(model: Path | str, log: Path, args: Sequence[str] = (),
                    key: str | None = None, env: dict[str, str] | None = None,
-                   healthy: bool = True) -> Iterator[ServerProc]:
-    """`radixserve serve` on a free port, float32, one torch thread; stopped on exit."""
+                   healthy: bool = True, new_session: bool = False) -> Iterator[ServerProc]:
+    """`radixserve serve` on a free port, float32, one torch thread; stopped on exit.
+    `new_session`: the server leads its own process group (for stop_group)."""
     port = free_port()
     cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model), "--port",
            str(port), "--dtype", "float32", "--num-threads", "1", "--log-stats-interval",
            "3600", *args]
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})},
+                                start_new_session=new_session)
     server = ServerProc(f"http://127.0.0.1:{port}", proc, log, key)
     try:
         if healthy:

@@ -28,7 +28,7 @@ from radixserve.config import EngineConfig, ServerConfig
 from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server import serve as serve_mod
 from radixserve.server.app import create_app
-from radixserve.server.state import STATE_KEY
+from radixserve.server.app_state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine
 from tests.server_proc import ServerProc, running_server
 from tests.test_server import TOKENIZER

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from radixserve.api.protocol import parse_generate
 from radixserve.constraints import Constraint, ConstraintKind
-from radixserve.server.protocol import parse_generate
 from radixserve.types import InvalidRequestError
 
 

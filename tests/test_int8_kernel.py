@@ -21,6 +21,15 @@ from radixserve.model.int8_kernel import (
 from radixserve.model.quant import Int8Linear, Int8Weight, quantize_per_channel
 
 
+def int8_weight(lin: Int8Linear) -> Int8Weight:
+    """The plain (N, K) int8 weight and its scales, whichever layout the layer holds."""
+    if lin.qweight is not None:
+        return Int8Weight(lin.qweight, lin.scale)
+    assert lin.packed is not None
+    return Int8Weight(unpack_int8_weight(lin.packed, lin.out_features, lin.in_features),
+                      lin.scale)
+
+
 def kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The op on a plain (N, K) weight: packs it, then calls the kernel."""
     op = load_int8_gemm()
@@ -168,7 +177,7 @@ def test_int8_linear_runs_the_native_kernel_at_every_row_count(monkeypatch: pyte
     x = torch.randn(rows, 24, generator=gen)
     y = lin(x)
     assert calls == []
-    w = lin.int8_weight()
+    w = int8_weight(lin)
     assert isinstance(w, Int8Weight) and w.qweight.shape == (40, 24)
     assert torch.equal(y, kernel()(x, w.qweight, lin.scale))
     assert lin.nbytes == lin.packed.numel() + 40 * 4
@@ -183,7 +192,7 @@ def test_int8_linear_without_the_native_kernel(monkeypatch: pytest.MonkeyPatch, 
     x = torch.randn(rows, 64)
     y = lin(x)
     assert calls == [expected]
-    ref = int8_gemm_reference(x, lin.int8_weight().qweight, lin.scale)
+    ref = int8_gemm_reference(x, int8_weight(lin).qweight, lin.scale)
     assert torch.allclose(y, ref, rtol=0.02, atol=0.02)  # bf16 activations in torch's w-only
 
 

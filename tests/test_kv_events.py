@@ -15,6 +15,7 @@ import xxhash
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from radixserve.api.keys import cache_salt_for_api_key
 from radixserve.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,11 +24,11 @@ from radixserve.kv_events import (
     KVEventDecodeError,
     KVEventPublisher,
     block_hashes,
-    cache_salt_for_api_key,
     decode_batch,
     encode_batch,
 )
-from radixserve.server.kv_events_route import setup_kv_events
+from radixserve.server.routes.kv_events import setup_kv_events
+from radixserve.testing.probes import num_live_blocks
 
 
 class FakeCacheEvent(NamedTuple):
@@ -117,7 +118,7 @@ def test_publish_stored_completes_straddling_block() -> None:
     (ev,) = batch.events
     hashes = block_hashes(path, 4, "s")
     assert ev == BlockStored((hashes[1],), hashes[0], (4, 5, 6, 7), 4)
-    assert pub.num_live_blocks == 1
+    assert num_live_blocks(pub) == 1
 
 
 def test_publish_removed_and_cleared() -> None:
@@ -133,7 +134,7 @@ def test_publish_removed_and_cleared() -> None:
     assert pub.publish([FakeCacheEvent("stored", (1, 2), 0)]) is None
     cleared = pub.publish([FakeCacheEvent("cleared", (), 0)])
     assert cleared is not None and cleared.events == (AllBlocksCleared(),)
-    assert pub.num_live_blocks == 0 and pub.last_seq == 3
+    assert num_live_blocks(pub) == 0 and pub.last_seq == 3
 
 
 def test_replay_buffer_and_snapshot() -> None:
@@ -241,5 +242,5 @@ def test_publisher_follows_a_real_radix_cache(page_size: int) -> None:
             expected.update(block_hashes(seq[:cached_len], 4, salt))
         snap = pub.snapshot().events
         live = set(snap[1].block_hashes) if len(snap) > 1 else set()  # type: ignore[union-attr]
-        assert live == expected and pub.num_live_blocks == len(expected)
+        assert live == expected and num_live_blocks(pub) == len(expected)
         cache.check_integrity()

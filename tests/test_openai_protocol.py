@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from radixserve.server.protocol import (
-    check_token_ids,
+from radixserve.api.lengths import check_token_ids
+from radixserve.api.protocol import (
     parse_chat,
     parse_completion,
     parse_generate,

@@ -39,9 +39,9 @@ def test_preemption_picks_the_least_important_request_first() -> None:
         sched.process_outputs(batch, fake_run(batch))
     assert {r.rid for r in sched.running} == {"batch-old", "important", "batch-new"}
     # Among the unimportant ones: the one that loses least (the shorter prompt computed).
-    victim = sched._pick_victim(exclude=[])
+    victim = sched.planner.pick_victim(exclude=[])
     assert victim is not None and victim.rid == "batch-new"
     important = sched.reqs["important"]
     others = [r for r in sched.running if r.priority == 3]
-    assert sched._pick_victim(exclude=others) is important  # only when nothing else is left
+    assert sched.planner.pick_victim(exclude=others) is important  # only when nothing else is left
     sched.check_integrity()

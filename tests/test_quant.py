@@ -15,10 +15,15 @@ from radixserve.config import ConfigError, EngineConfig
 from radixserve.model.quant import (
     WEIGHT_ONLY_MAX_ROWS,
     Int8Linear,
-    dequantize,
+    Int8Weight,
     quantize_per_channel,
 )
 from radixserve.tokenizer import encode_chat
+
+
+def dequantize(w: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight (N, K) the int8 one stands for."""
+    return (w.qweight.float() * w.scale[:, None]).to(dtype)
 
 
 def test_per_channel_scales_and_round_trip() -> None:

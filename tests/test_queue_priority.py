@@ -17,12 +17,12 @@ import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
+from radixserve.api.keys import parse_keys
 from radixserve.config import ConfigError
-from radixserve.server.auth import ANONYMOUS_CALLER, ApiKeys, Caller
+from radixserve.server.access.auth import ANONYMOUS_CALLER, ApiKeys, Caller
+from radixserve.server.access.limits import Admission
+from radixserve.server.app_state import STATE_KEY
 from radixserve.server.errors import APIError
-from radixserve.server.keys import parse_keys
-from radixserve.server.limits import Admission
-from radixserve.server.state import STATE_KEY
 from tests.server_proc import running_server
 from tests.test_server import GREEDY, TOKENIZER, serve
 from tests.waiting import wait_until

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from radixserve.api.protocol import parse_chat, parse_completion
 from radixserve.constraints import Constraint, ConstraintKind
-from radixserve.server.protocol import parse_chat, parse_completion
 from radixserve.types import InvalidRequestError
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},

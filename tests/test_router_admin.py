@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from radixserve.testing.fake_replica import FakeReplica, FakeReplicaConfig, fake_cluster
+from radixserve.testing.probes import num_live_blocks
 from router.app import ROUTER_KEY
 from router.config import RouterConfig
 from tests.waiting import wait_until
@@ -114,7 +115,7 @@ async def test_flush_cache_fans_out() -> None:
             body = await resp.json()
             assert resp.status == 200 and body["success"] is True
             assert set(body["workers"].values()) == {200}
-        assert all(r.publisher.num_live_blocks == 0 for r in c.replicas)
+        assert all(num_live_blocks(r.publisher) == 0 for r in c.replicas)
         await c.replicas[1].stop()
         async with s.post(f"{c.url}/flush_cache", headers=ADMIN) as resp:
             assert resp.status == 502 and (await resp.json())["success"] is False

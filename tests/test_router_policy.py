@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixserve.api.keys import cache_salt_for_api_key
 from radixserve.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     block_hashes,
-    cache_salt_for_api_key,
 )
 from radixserve.testing.fake_replica import ByteEncoder
 from router.config import ConfigError, PolicyName, RouterConfig, normalize_worker_url

@@ -9,13 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from radixserve.kv_events import (
-    BlockStored,
-    KVEventPublisher,
-    block_hashes,
-    cache_salt_for_api_key,
-    encode_batch,
-)
+from radixserve.api.keys import cache_salt_for_api_key
+from radixserve.kv_events import BlockStored, KVEventPublisher, block_hashes, encode_batch
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY
 from router.config import RouterConfig
@@ -134,3 +129,29 @@ async def test_follower_replays_from_since_after_reconnect() -> None:
                 await task
             await runner.cleanup()
     assert not index.is_live(url)  # a stopped follower never claims a live stream
+
+
+def test_a_pool_hit_scores_above_a_tier_hit_above_a_miss() -> None:
+    from radixserve.kv_events import BlockRemoved, EventBatch, decode_batch
+    from router.kv_index import TIER_HIT_WEIGHT
+
+    hashes = block_hashes(list(range(64)), 16)  # 4 blocks
+    index = PreciseIndex(16, pending_ttl_s=1.0)
+    for url in ("pool", "tier", "none"):
+        index.add_worker(url)
+        index.set_live(url, True)
+    toks = tuple(range(64))
+    pool = EventBatch(1, (BlockStored(tuple(hashes), None, toks, 16, "CPU"),))
+    tier = EventBatch(1, (BlockStored(tuple(hashes), None, toks, 16, "LOCAL_DISK"),))
+    index.apply("pool", decode_batch(encode_batch(pool)))  # the medium survives the wire
+    index.apply("tier", decode_batch(encode_batch(tier)))
+    scores = {u: index.match(hashes, u) for u in ("pool", "tier", "none")}
+    assert scores == {"pool": 4, "tier": 4 * TIER_HIT_WEIGHT, "none": 0}
+    assert scores["pool"] > scores["tier"] > scores["none"]  # type: ignore[operator]
+    # Evicted from the pool but still in the tier: a tier hit; gone from the tier: a miss.
+    index.apply("pool", EventBatch(2, (BlockRemoved(tuple(hashes[2:]), "CPU"),
+                                       BlockStored(tuple(hashes[2:]), hashes[1], toks[32:], 16,
+                                                   "SHARED"))))
+    assert index.match(hashes, "pool") == 2 + 2 * TIER_HIT_WEIGHT
+    index.apply("pool", EventBatch(3, (BlockRemoved((hashes[3],), "SHARED"),)))
+    assert index.match(hashes, "pool") == 2 + TIER_HIT_WEIGHT

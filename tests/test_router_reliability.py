@@ -15,11 +15,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from radixserve.api.keys import cache_salt_for_api_key
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.ipc.client import EngineClient
-from radixserve.kv_events import BlockStored, EventBatch, block_hashes, cache_salt_for_api_key
+from radixserve.kv_events import BlockStored, EventBatch, block_hashes
 from radixserve.server.app import create_app as create_server_app
-from radixserve.server.state import STATE_KEY
+from radixserve.server.app_state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY

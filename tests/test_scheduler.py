@@ -7,13 +7,11 @@ followed by the full page-ownership check.
 
 from __future__ import annotations
 
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
@@ -29,16 +27,15 @@ def next_token(seq: list[int]) -> int:
 
 def fake_run(batch: Batch) -> list[int]:
     # The fake model sees exactly what the real one would: the tokens up to the sample point.
-    return [next_token(r.token_ids[: r.cached_len + n])
-            for r, n, s in zip(batch.reqs, batch.extend_lens, batch.sample, strict=True) if s]
+    return [next_token(e.req.token_ids[: e.req.num_computed_tokens + e.num_new_tokens])
+            for e in batch.entries if e.sample]
 
 
 def make_scheduler(pages: int, page_size: int, **kw: object) -> Scheduler:
     cfg = EngineConfig(page_size=page_size, max_running_requests=8, **kw)  # type: ignore[arg-type]
     alloc = PageAllocator(pages, page_size)
     cache = RadixCache(page_size, disabled=cfg.disable_radix_cache)
-    table = ReqTable(torch.zeros((8, 256), dtype=torch.int32))
-    return Scheduler(cfg, alloc, cache, table, max_model_len=256, vocab_size=VOCAB,
+    return Scheduler(cfg, alloc, cache, max_model_len=256, vocab_size=VOCAB,
                      eos_token_ids=(EOS,))
 
 
@@ -162,7 +159,7 @@ def test_one_real_prefix_match_per_admission() -> None:
     batch = sched.schedule()
     assert batch is not None
     assert calls == {"match": len(batch.reqs), "peek": 5}
-    assert [r.cached_len for r in batch.reqs] == [30] * len(batch.reqs)
+    assert [r.num_computed_tokens for r in batch.reqs] == [30] * len(batch.reqs)
     sched.check_integrity()
 
 
@@ -186,16 +183,16 @@ def test_mixed_steps_keep_decoding_while_prompts_prefill() -> None:
     for i in range(4):
         s.add(f"r{i}", [i + 1] * 40, params)
     batches = run_steps(s)
-    assert [b.phase for b in batches] == [Phase.EXTEND] * 3 + [Phase.MIXED] * 7 + [
+    assert [b.phase for b in batches] == [Phase.PREFILL] * 3 + [Phase.MIXED] * 7 + [
         Phase.DECODE] * 5
     assert [r.rid for r in batches[3].reqs] == ["r0", "r1"] and batches[3].num_decodes == 1
-    assert batches[3].extend_lens == [1, 16]
-    assert batches[7].extend_lens == [1, 1, 8, 8] and batches[7].num_decodes == 2
+    assert batches[3].new_token_counts == [1, 16]
+    assert batches[7].new_token_counts == [1, 1, 8, 8] and batches[7].num_decodes == 2
     first_token_step = {}
     for i, b in enumerate(batches):
-        assert sum(b.extend_lens[b.num_decodes:]) <= 16
+        assert sum(b.new_token_counts[b.num_decodes:]) <= 16
         for j, r in enumerate(b.reqs):
-            if b.sample[j] and r.rid not in first_token_step:
+            if b.entries[j].sample and r.rid not in first_token_step:
                 first_token_step[r.rid] = i
     assert first_token_step == {"r0": 2, "r1": 4, "r2": 7, "r3": 9}
     for rid, first in first_token_step.items():
@@ -213,4 +210,4 @@ def test_alternating_steps_without_mixed_chunk() -> None:
         s.add(f"r{i}", [i + 1] * 40, params)
     phases = [b.phase for b in run_steps(s)]
     assert Phase.MIXED not in phases
-    assert phases[:7] == [Phase.EXTEND] * 3 + [Phase.DECODE, Phase.EXTEND] * 2
+    assert phases[:7] == [Phase.PREFILL] * 3 + [Phase.DECODE, Phase.PREFILL] * 2

@@ -16,10 +16,10 @@ from aiohttp import web
 
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.ipc.client import EngineClient
+from radixserve.server.access.connections import GuardedRunner
 from radixserve.server.app import create_app
-from radixserve.server.bounds import GuardedRunner
+from radixserve.server.app_state import STATE_KEY
 from radixserve.server.serve import drain
-from radixserve.server.state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from tests.test_server import GREEDY, call, serve
 from tests.test_server_limits import wait_idle

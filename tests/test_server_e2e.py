@@ -208,7 +208,8 @@ async def test_malformed_requests_get_4xx_and_serving_continues(server: str) -> 
 
 
 async def test_kv_events_carry_the_salted_block_hashes(server: str) -> None:
-    from radixserve.kv_events import block_hashes, cache_salt_for_api_key
+    from radixserve.api.keys import cache_salt_for_api_key
+    from radixserve.kv_events import block_hashes
     from tests.tiny_models import make_tokenizer
 
     prompt = "kv events: a prompt long enough for two blocks"

@@ -24,6 +24,7 @@ from radixserve.ipc.client import (
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.server.app import create_app
 from radixserve.testing.fake_engine import FakeEngine
+from radixserve.testing.probes import num_in_flight
 from radixserve.types import FinishReason, InvalidRequestError, SamplingParams, TokenOutput
 from tests.test_server import TOKENIZER
 from tests.waiting import wait_until
@@ -64,7 +65,7 @@ async def test_generate_abort_flush_shutdown(client: EngineClient) -> None:
     await wait_until(lambda: client.stats.get("num_aborted_requests") == 1,
                      what="the engine's abort of the closed stream")
     await wait_until(client.flush_cache, what="a flush (refused while anything runs)")
-    assert client.stats["num_running"] == 0 and client.num_in_flight == 0
+    assert client.stats["num_running"] == 0 and num_in_flight(client) == 0
     pid = proc(client).pid
     await client.shutdown()
     assert client.state is EngineState.STOPPED and not proc(client).is_alive()

@@ -13,12 +13,12 @@ import orjson
 import pytest
 from aiohttp import web
 
+from radixserve.api.keys import KeyLimits, load_keys_file, parse_keys
+from radixserve.api.ratelimit import RateLimiter, format_duration
 from radixserve.config import ConfigError
-from radixserve.server.auth import ApiKeys
-from radixserve.server.keys import KeyLimits, load_keys_file, parse_keys
+from radixserve.server.access.auth import ApiKeys
+from radixserve.server.app_state import STATE_KEY
 from radixserve.server.metrics import ServerMetrics
-from radixserve.server.ratelimit import RateLimiter, format_duration
-from radixserve.server.state import STATE_KEY
 from tests.test_server import GREEDY, TOKENIZER, call, serve
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"

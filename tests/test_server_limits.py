@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 from aiohttp.test_utils import TestClient
 
-from radixserve.kv_events import block_hashes, cache_salt_for_api_key
+from radixserve.api.keys import cache_salt_for_api_key
+from radixserve.kv_events import block_hashes
 from radixserve.server.stats_log import StatsLogger
 from tests.test_server import GREEDY, TOKENIZER, call, serve
 

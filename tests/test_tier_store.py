@@ -250,6 +250,16 @@ def test_local_integrity_catches_a_missing_file(tmp_path: Path) -> None:
     os.unlink(s.path(key(0)))
     with pytest.raises(AssertionError):
         s.check_integrity()
+def test_local_integrity_forgets_a_missing_or_cut_file(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    s.put(key(0), payload(0))
+    s.put(key(1), payload(1))
+    os.unlink(s.path(key(0)))
+    with open(s.path(key(1)), "r+b") as f:
+        f.truncate(10)
+    s.check_integrity()  # a disk fault is a miss: dropped and reported, not a failed check
+    assert s.keys() == [] and sorted(s.take_evicted()) == sorted([key(0), key(1)])
+    assert s.stats().errors.get("truncated") == 1
 
 
 def test_young_temp_files_survive_old_ones_are_cleaned(tmp_path: Path) -> None:

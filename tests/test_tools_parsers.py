@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
-from radixserve.config import TOOL_CALL_PARSERS
-from radixserve.server.tool_parsers import (
+from radixserve.api.tools.parsers import (
     TOOL_CALL_FORMATS,
     ParsedOutput,
     ToolCall,
     get_format,
     parse_tool_calls,
 )
-from radixserve.server.tool_stream import ChatToolStream, tool_message
+from radixserve.api.tools.stream import ChatToolStream, tool_message
+from radixserve.config import TOOL_CALL_PARSERS
 
 HERMES, LLAMA3 = get_format("hermes"), get_format("llama3_json")
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -168,7 +168,7 @@ def test_a_call_cut_off_after_complete_ones_is_dropped() -> None:
 def test_streaming_scans_each_character_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long call (an agent writing a file) streamed token by token is not rescanned per
     token: the call scanner steps over each character once in total."""
-    from radixserve.server import tool_json
+    from radixserve.api.tools import json_scan as tool_json
 
     steps = 0
     real_step = tool_json.CallScanner._step

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.server.protocol import parse_chat
-from radixserve.server.tool_parsers import get_format
-from radixserve.server.tool_prompt import supports_tools, template_messages
+from radixserve.api.protocol import parse_chat
+from radixserve.api.tools.parsers import get_format
+from radixserve.api.tools.prompt import supports_tools, template_messages
 from radixserve.tokenizer import render_chat
 from tests.tiny_models import CHAT_TEMPLATE, make_tokenizer
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from radixserve.api.protocol import parse_chat
+from radixserve.api.tools.spec import ToolChoice
 from radixserve.constraints import Constraint, ConstraintKind, ToolCallConstraint, ToolDef, ToolMode
-from radixserve.server.protocol import parse_chat
-from radixserve.server.tools import ToolChoice
 from radixserve.types import InvalidRequestError
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}},
@@ -162,7 +162,7 @@ def test_arguments_sent_as_an_object_are_kept_as_json_text() -> None:
 def test_schema_checks_are_remembered_per_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent sends the same tools every turn: each schema is compiled once, not per
     request; a bad one is still a 400 every time."""
-    from radixserve.server import constraint_check
+    from radixserve.api.constraints import check as constraint_check
 
     compiled: list[str] = []
     real = constraint_check.check_constraint

@@ -117,19 +117,19 @@ CASES = {
     "decode, equal lengths": (Phase.DECODE, [80, 80, 80], [1, 1, 1], [([0, 1, 2], 66)]),
     "decode, two groups + loner": (Phase.DECODE, [70, 71, 90, 95, 12], [1] * 5,
                                    [([0, 1], 64), ([2, 3], 80)]),
-    "extend, padded, group of some": (Phase.EXTEND, [64, 64, 0], [5, 16, 9], [([0, 1], 64)]),
-    "extend, no group": (Phase.EXTEND, [0, 30, 7], [12, 3, 20], []),
-    "extend, lone request": (Phase.EXTEND, [40], [17], []),
+    "extend, padded, group of some": (Phase.PREFILL, [64, 64, 0], [5, 16, 9], [([0, 1], 64)]),
+    "extend, no group": (Phase.PREFILL, [0, 30, 7], [12, 3, 20], []),
+    "extend, lone request": (Phase.PREFILL, [40], [17], []),
     "decode, lone request": (Phase.DECODE, [40], [1], []),
     # long extends (>= MIN_VARLEN_TOKENS new tokens) take the varlen path, the rest the cascade
-    "extend, long chunk alone": (Phase.EXTEND, [0], [130], []),
-    "extend, long chunks after prefixes": (Phase.EXTEND, [64, 64, 10], [70, 65, 3],
+    "extend, long chunk alone": (Phase.PREFILL, [0], [130], []),
+    "extend, long chunks after prefixes": (Phase.PREFILL, [64, 64, 10], [70, 65, 3],
                                            [([0, 1], 64)]),
-    "mixed, decodes + long chunks": (Phase.EXTEND, [70, 0, 75, 40, 66], [1, 80, 1, 100, 4],
+    "mixed, decodes + long chunks": (Phase.PREFILL, [70, 0, 75, 40, 66], [1, 80, 1, 100, 4],
                                      [([0, 2, 4], 64)]),
     # longer than CAUSAL_CHUNK: query chunks, each merged with the tokens before it
-    "extend, long chunk in query chunks": (Phase.EXTEND, [0, 0], [600, 257], []),
-    "extend, query chunks after a prefix": (Phase.EXTEND, [100, 64, 64], [300, 2, 520],
+    "extend, long chunk in query chunks": (Phase.PREFILL, [0, 0], [600, 257], []),
+    "extend, query chunks after a prefix": (Phase.PREFILL, [100, 64, 64], [300, 2, 520],
                                             [([1, 2], 64)]),
 }
 

@@ -72,7 +72,7 @@ def test_backend_matches_torch_backend_for_extend_then_decode() -> None:
     caches = {"torch": pool, "triton": (pool[0].clone(), pool[1].clone())}
     backends: dict[str, AttentionBackend] = {
         "torch": TorchAttentionBackend(), "triton": TritonAttentionBackend(2)}
-    steps = [(Phase.EXTEND, prefix_lens, extend_lens),
+    steps = [(Phase.PREFILL, prefix_lens, extend_lens),
              (Phase.DECODE, seq_lens, [1, 1, 1])]
     for phase, prefixes, extends in steps:
         out_slots = torch.cat([slot_table[r, p : p + n]

@@ -1,6 +1,6 @@
-"""Paged extend (prefill) attention: a ragged batch of new tokens over a cached prefix.
+"""Paged prefill (extend) attention: a ragged batch of new tokens over a cached prefix.
 
-Owns: the extend kernel and its wrapper. Does not know: pages or the radix tree; a request's
+Owns: the prefill kernel (SGLang's name: extend) and its wrapper. Does not know: pages or the radix tree; a request's
 KV (its cached prefix and its new tokens, already stored) is at slot_table[row, 0 : seq_len].
 
 Layout of one program (grid: query blocks x requests x KV heads): its rows are BLOCK_M new

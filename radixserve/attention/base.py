@@ -7,6 +7,11 @@ KV layout (shared with triton_kernels/): per layer, K and V are (num_slots, kv_h
 tensors; slot = page * page_size + offset. `slot_table[row, i]` is the slot of token i of the
 request in table row `row`. A forward first stores its new tokens' K/V at `out_slots`, then
 each new token at absolute position p attends to slots slot_table[row, 0 : p + 1].
+The model runner writes the table rows of a batch before building this metadata.
+
+Names: the per-request counts keep the kernels' (SGLang's) words: `prefix_lens` are a
+request's num_computed_tokens before this forward, `extend_lens` its num_new_tokens (a
+prefill chunk's length, or 1 for a decode).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # (B,) int32: prefix_lens + extend_lens
     cu_extend: torch.Tensor  # (B + 1,) int32: offsets of each request's new tokens in q
     out_slots: torch.Tensor  # (T,) int64: where the new tokens' K/V are stored
-    # Host-side copies, known by the scheduler without a device sync.
+    # Host-side copies, known from the batch without a device sync.
     prefix_lens_cpu: tuple[int, ...]
     extend_lens_cpu: tuple[int, ...]
     max_seq_len: int

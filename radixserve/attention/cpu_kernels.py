@@ -2,9 +2,9 @@
 
 Owns: compiling csrc/paged_decode.cpp and csrc/prefill_attention*.cpp into one extension with
 torch's C++ extension loader (once per source version and machine, cached under
-~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a first build takes ~1 min here), the
-resulting ops `torch.ops.radixserve.paged_decode` and `torch.ops.radixserve.prefill_attention`,
-and `paged_decode_reference` / `prefill_attention_reference`, the same computations in plain
+~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a first build is logged with its
+duration), the resulting ops `torch.ops.radixserve.paged_decode` and
+`torch.ops.radixserve.prefill_attention`, and `paged_decode_reference` / `prefill_attention_reference`, the same computations in plain
 torch (the kernels' specifications, and what tests compare them with). Does not know:
 metadata, plans, the cascade (the torch backend and varlen.py decide when a kernel applies).
 
@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -40,6 +41,8 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 # needs libgomp.so.1, which resolves to the copy torch already loaded (the same soname): one
 # OpenMP runtime, one thread pool, sized by torch.set_num_threads.
 LDFLAGS = ["-fopenmp"]
+# Loading a cached build takes well under this; longer means torch recompiled it.
+REBUILD_NOTICE_S = 5.0
 ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the torch path)
 
 # prefill_attention's head dims (template instances in the kernel); others keep the torch path
@@ -77,21 +80,51 @@ def _registered() -> bool:
         torch.ops.radixserve, "prefill_attention")
 
 
+def cached_build(full_name: str) -> Path | None:
+    """The built library of extension `full_name` if torch's build folder already holds it
+    (then `load` only loads it), else None (the next `load` compiles it: seconds to minutes)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(full_name, verbose=False))
+    except Exception:  # noqa: BLE001  a torch without the helper: report "not cached"
+        return None
+    library = folder / f"{full_name}.so"
+    return library if library.is_file() else None
+
+
 def build_extension(name: str, sources: Sequence[Path], what: str,
                     cflags: Sequence[str] = tuple(CFLAGS)) -> bool:
     """Build (or load the cached build of) a C++ extension registering torch ops; False, with
-    one warning naming `what`, when that fails (the caller keeps its torch path)."""
+    one warning naming `what`, when that fails (the caller keeps its torch path).
+
+    A build (the first start on a machine, or after a kernel changed) is logged before and
+    after, with its duration: it runs while the weights load and would otherwise look like a
+    hang."""
+    full_name = f"{name}_{cpu_tag()}"
+    building = cached_build(full_name) is None
+    if building:
+        logger.info("building the native %s (first start on this machine only; cached under "
+                    "$TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)", what)
+    start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
         ninja_on_path()
-        load(name=f"{name}_{cpu_tag()}", sources=[str(s) for s in sources],
+        load(name=full_name, sources=[str(s) for s in sources],
              extra_cflags=list(cflags), extra_ldflags=LDFLAGS, is_python_module=False,
              verbose=False)
     except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
         logger.warning("%s unavailable (%s: %s); using torch's kernels", what,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return False
+    elapsed = time.perf_counter() - start
+    if building:
+        logger.info("built the native %s in %.1f s; later starts load the cached build",
+                    what, elapsed)
+    elif elapsed > REBUILD_NOTICE_S:  # a cached build whose sources or flags changed
+        logger.info("rebuilt the native %s in %.1f s (their sources or flags changed)", what,
+                    elapsed)
     return True
 
 

@@ -7,19 +7,19 @@ Each request's keys are split in two parts, merged by log-sum-exp:
   for all the group's query tokens (one gather, one kernel) instead of once per request;
 - the own part: positions [own_start, seq_len), gathered into one padded block for the whole
   batch and masked (causal inside the request's new tokens, and the padding).
-Long extends (prefill chunks of MIN_VARLEN_TOKENS or more) go to attention/varlen.py, one
+Long prefill chunks (MIN_VARLEN_TOKENS tokens or more) go to attention/varlen.py, one
 request at a time on this forward's own k/v; the cascade above takes the rest of the batch
-(decode tokens and short extends, e.g. the decodes of a mixed step). A rest whose padded
+(decode tokens and short prefill chunks, e.g. the decodes of a mixed step). A rest whose padded
 block would be too large, or a lone request with no group, goes to one SDPA call per request.
 On CPU, a decode-only rest goes instead to the native paged kernel (cpu_kernels.py) when the
 backend was given it: each request's own part read in place, then the groups merged as above;
-long extends likewise go to the native causal prefill kernel when given (varlen.py).
+long prefill chunks likewise go to the native causal prefill kernel when given (varlen.py).
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
 Does not know: the model, the scheduler.
 
 On CPU every partial attention is one call of torch's fused flash kernel, which also returns
 the log-sum-exp the merge needs: no (queries x keys) score tensor is written to memory, which
-made the previous matmul/softmax path ~10x slower on a 500-token prefill. Elsewhere the same
+made the previous matmul/softmax path much slower on long prefills. Elsewhere the same
 partials run as matmul + logsumexp.
 
 Query heads sharing a KV head (GQA groups of G) are folded into the query length:
@@ -74,9 +74,8 @@ def _attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 class Scratch:
     """Reused buffers that K/V are gathered into from the pool.
 
-    A gather into fresh memory pays the page faults of a new multi-MB tensor on every layer:
-    a 32-request decode step over ~540-token contexts gathered 2-5x faster (a noisy
-    micro-benchmark) into a reused buffer. Invariant: what gather() returns is consumed
+    A gather into fresh memory pays the page faults of a new multi-MB tensor on every layer;
+    a reused buffer avoids them (figures: bench/README.md). Invariant: what gather() returns is consumed
     before the next gather of that key.
     """
 
@@ -189,7 +188,7 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
 
 class TorchAttentionBackend:
     """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode-only
-    batches; prefill: cpu_kernels.load_prefill_attention() for long extends (varlen.py);
+    batches; prefill: cpu_kernels.load_prefill_attention() for long prefill chunks (varlen.py);
     None for the torch path there (the reference)."""
 
     def __init__(self, paged_decode: PagedDecode | None = None,
@@ -235,7 +234,7 @@ class TorchAttentionBackend:
         assert split is not None
         if not split.long:
             return self._short(q, k_cache, v_cache, meta, scale)
-        # Long extends (prefill chunks) one by one; decode tokens and short extends of the
+        # Long prefill chunks one by one; decode tokens and short prefill chunks of the
         # same batch (a mixed step) through the cascade, on their own rows of q.
         out = torch.empty_like(q)
         if split.short_meta is not None:

@@ -1,7 +1,7 @@
 """Attention backend on the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
 Owns: mapping one layer's forward onto triton_kernels: store this forward's K/V, then paged
-decode (split-K) or extend attention. Does not know: the model, the scheduler, how slots are
+decode (split-K) or prefill (extend) attention. Does not know: the model, the scheduler, how slots are
 allocated. Reads only what AttentionMetadata carries; no host-device sync.
 """
 

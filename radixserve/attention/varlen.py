@@ -1,7 +1,7 @@
-"""Attention for long extends (prefill chunks), request by request, without padding or masks.
+"""Attention for long prefill chunks, request by request, without padding or masks.
 
-Owns: splitting a batch into its long extends (handled here) and the rest (decode tokens and
-short extends, for the padded cascade of torch_backend), and the attention of one long extend:
+Owns: splitting a batch into its long prefill chunks (handled here) and the rest (decode tokens and
+short prefill chunks, for the padded cascade of torch_backend), and the attention of one long prefill chunk:
 - its new tokens attend to themselves causally, read straight from this forward's k/v (the
   pool holds the same values; gathering them back would only copy), in query chunks: each
   chunk one fused flash call with is_causal on itself, one without a mask on the tokens
@@ -10,7 +10,7 @@ short extends, for the padded cascade of torch_backend), and the attention of on
   the pool once per layer and attended without a mask (every prefix key precedes every new
   token), then merged with the causal part by log-sum-exp.
 On CPU with the native kernel (cpu_kernels.load_prefill_attention(): fp32/bf16, head_dim 32,
-64 or 128), each extend is instead one call of csrc/prefill_attention.cpp: the prefix read in
+64 or 128), each prefill chunk is instead one call of csrc/prefill_attention.cpp: the prefix read in
 place through the slot table, the chunk causal on itself, masked key blocks skipped; the
 torch path above stays as the fallback and the tests' reference.
 Does not know: the model, the scheduler, how the pool is laid out beyond the slot table.
@@ -28,13 +28,13 @@ import torch
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
 from radixserve.attention.cpu_kernels import PREFILL_HEAD_DIMS, PrefillAttention
 
-# An extend this long is attended on its own: padding it into a block with the others
+# A prefill chunk this long is attended on its own: padding it into a block with the others
 # would cost up to (longest / its length) times the work, and its causal mask as much memory.
 MIN_VARLEN_TOKENS = 64
 # torch's CPU flash kernel computes a causal block's masked half too (its key blocks are 512
-# long), and the exps dominate: a 516-token extend attended in 3 query chunks (each causal on
-# itself, unmasked on the tokens before it) took 20% less CPU than one causal call (fp32,
-# SmolLM2's heads; 9.8 -> 7.8 ms; chunks of 128 or 256 alike).
+# long), and the exps dominate: a long prefill attended in query chunks (each causal on
+# itself, unmasked on the tokens before it) takes less CPU than one causal call (figures:
+# bench/README.md; chunks of 128 or 256 alike).
 CAUSAL_CHUNK = 256
 
 
@@ -47,7 +47,7 @@ def token_offsets(extend_lens: Sequence[int]) -> list[int]:
 class Split:
     """Which requests of a batch go where; fixed for one forward."""
 
-    long: tuple[int, ...]  # batch indices of the long extends (varlen path)
+    long: tuple[int, ...]  # batch indices of the long prefill chunks (varlen path)
     short_meta: AttentionMetadata | None  # metadata of the other requests (cascade path)
     short_rows: torch.Tensor | None  # (Ts,) rows of q of those requests; None: all rows
 
@@ -147,14 +147,14 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
                 v_cache: torch.Tensor, meta: AttentionMetadata, long: tuple[int, ...],
                 out: torch.Tensor, scale: float, gather: Gather,
                 kernel: PrefillAttention | None = None) -> None:
-    """Write into out (T, Hq, D) the attention of the long extends' tokens.
+    """Write into out (T, Hq, D) the attention of the long prefill chunks' tokens.
 
     q (T, Hq, D), k/v (T, Hkv, D): this forward's tokens, already stored in the pool.
     gather(cache, slots, key) reads cached prefix K/V (S, Hkv, D), consumed before the next.
     Queries go in chunks of <= CAUSAL_CHUNK tokens: a chunk attends causally to itself and
     without a mask to this forward's earlier tokens (views of k/v) and to the cached prefix,
     the parts merged by log-sum-exp. With `kernel` (cpu_kernels.load_prefill_attention()),
-    each extend is one call instead: the prefix read in place, causal blocks skipped.
+    each prefill chunk is one call instead: the prefix read in place, causal blocks skipped.
     """
     if kernel is not None and kernel_applies(q, k, v):
         _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel)
@@ -194,7 +194,7 @@ def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         long: tuple[int, ...], out: torch.Tensor, scale: float,
                         kernel: PrefillAttention) -> None:
-    """attend_long through the native kernel: one call per extend, its whole chunk causal on
+    """attend_long through the native kernel: one call per prefill chunk, its whole chunk causal on
     itself and unmasked on its prefix (slots read from the pool, no gather)."""
     cu = token_offsets(meta.extend_lens_cpu)
     for b in long:

@@ -6,9 +6,10 @@ their sizing. Does not know: which slots are free (PageAllocator), which are cac
 
 Layout: k and v are (num_layers, num_slots, kv_heads, head_dim), one tensor each, so k[layer]
 is a view; slot = page * page_size + offset. slot_table[row, i] is the slot of token i of the
-request in `row`; the scheduler's MemoryManager writes it (through cache/req_table.py) when it
-admits a request or gives it slots for the next tokens, and the model runner only reads it.
-Entries past a request's length are stale.
+request in `row`. The scheduler hands out the rows (numbers only); the model runner is the
+table's one writer: before each forward it writes the slots of the tokens the batch computes
+(and, for a new row or pages adopted from the tree, the older positions the batch entry
+names), then attention reads it. Entries past a request's length are stale.
 """
 
 from __future__ import annotations

@@ -9,8 +9,21 @@ or a running request) nor anything about the K/V tensors; the caller keeps the b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+
+def whole_pages(slots: npt.NDArray[np.integer[Any]], page_size: int) -> npt.NDArray[np.int64]:
+    """The page id of each page in `slots`; AssertionError unless `slots` are whole pages,
+    each starting on a page boundary with its offsets in order (page_size > 1)."""
+    assert len(slots) % page_size == 0, f"{len(slots)} slots are not whole pages of {page_size}"
+    grid = slots.reshape(-1, page_size)  # (num_pages, page_size)
+    firsts = grid[:, 0].astype(np.int64)  # (num_pages,)
+    assert not (firsts % page_size).any(), "slots do not start on a page boundary"
+    assert (grid - grid[:, :1] == np.arange(page_size)).all(), "slots are not whole pages"
+    return firsts // page_size
 
 
 class PageAllocator:
@@ -38,10 +51,6 @@ class PageAllocator:
     @property
     def num_free_slots(self) -> int:
         return len(self._free_stack) * self.page_size
-
-    @property
-    def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free_stack)
 
     def alloc(self, num_pages: int) -> list[int] | None:
         """Take `num_pages` pages, or None (taking nothing) when fewer are free."""
@@ -84,12 +93,7 @@ class PageAllocator:
         ps = self.page_size
         if ps == 1:
             return list(slots)
-        assert len(slots) % ps == 0, f"{len(slots)} slots are not whole pages of {ps}"
-        grid = np.asarray(slots, dtype=np.int64).reshape(-1, ps)  # (num_pages, ps)
-        firsts = grid[:, 0]  # (num_pages,)
-        assert not (firsts % ps).any(), "slots do not start on a page boundary"
-        assert (grid - firsts[:, None] == np.arange(ps)).all(), "slots are not whole pages"
-        pages: list[int] = (firsts // ps).tolist()
+        pages: list[int] = whole_pages(np.asarray(slots, dtype=np.int64), ps).tolist()
         return pages
 
     def check_integrity(self) -> None:

@@ -4,9 +4,10 @@ Owns the token-prefix -> slot mapping of every cached token, the lock counts tha
 prefixes running requests use, and eviction of unlocked leaves (the order: eviction.py; LRU
 by default, SLRU, priority-aware, over-quota tenants first). It does not know tensors,
 requests, the page allocator (evict returns slots, the caller frees their pages) or the model;
-slot ids are plain ints it only checks for page alignment. The pure node helpers (child keys,
-span comparison, the matching descent and its splits, the per-node integrity census) are in
-radix_walk.py; this class keeps every count, lock, queue entry and event.
+slot ids are plain ints it only checks for page alignment (page_allocator.whole_pages). The
+pure node helpers (child keys, span comparison, the matching descent and its splits) are in
+radix_walk.py, the per-node integrity census in radix_census.py; this class keeps every
+count, lock, queue entry and event.
 
 Layout: one root per salt (namespace), so two salts never share a node. Each node holds a span
 of tokens `key` and their slots `value` as `array('i')` (4 bytes a token); children are keyed by
@@ -26,30 +27,28 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from radixserve.cache.eviction import EvictionPolicy, EvictionQueue
+from radixserve.cache.page_allocator import whole_pages
+from radixserve.cache.radix_census import census
+from radixserve.cache.radix_offload import Offloading
 from radixserve.cache.radix_types import (
+    C_INT,
     CacheEvent,
     CacheEventKind,
     InsertResult,
-    MatchResult,
-    TreeNode,
-)
-from radixserve.cache.radix_walk import (
-    C_INT,
     IntSeq,
-    assert_whole_pages,
-    census,
-    child_key,
-    iter_nodes,
-    path_concat,
+    MatchResult,
+    TierHooks,
+    TreeNode,
     to_array,
-    walk,
 )
+from radixserve.cache.radix_walk import child_key, has_pool_child, iter_nodes, path_concat, walk
+from radixserve.cache.tiers.keys import Tier
 
 __all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "RadixCache",
            "TreeNode"]
 
 
-class RadixCache:
+class RadixCache(Offloading):
     """Longest-prefix match, insert, lock/unlock and LRU eviction over int token ids.
 
     Who owns slots[i] after insert (aligned_len = len(token_ids) in whole pages):
@@ -68,6 +67,7 @@ class RadixCache:
         on_event: Callable[[CacheEvent], None] | None = None,
         eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
         tenant_quota_tokens: int | None = None,
+        tiers: TierHooks | None = None, pool_medium: str | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -83,6 +83,12 @@ class RadixCache:
         self.tenant_quota_tokens = tenant_quota_tokens
         self._evictable_by_salt: dict[str, int] = {}
         self._queue = EvictionQueue(EvictionPolicy(eviction_policy))
+        # Tiers below the pool (None: eviction drops). An evicted node the tiers took stays
+        # in the tree, offloaded; these index its blocks and count its tokens.
+        self._tiers = tiers
+        self._pool_medium = pool_medium
+        self._tier_keys: dict[str, TreeNode] = {}
+        self._tier_tokens: dict[Tier, int] = {}
 
     @property
     def evictable_size(self) -> int:
@@ -154,9 +160,15 @@ class RadixCache:
         tick = self._tick()
         node, num_cached = walk(root, query, tick, self.page_size)
         if num_cached < aligned_len:
+            stale = node.children.get(child_key(query, num_cached, self.page_size))
+            if stale is not None:  # offloaded: the pool copy being inserted replaces it
+                self._drop_offloaded(stale)
+                self._roots[salt] = root  # dropping the namespace's last child removed it
             value = to_array(slots[num_cached:aligned_len], aligned_len - num_cached)
-            assert_whole_pages(value, self.page_size)
+            self._assert_whole_pages(value)
             node = self._add_leaf(node, query[num_cached:], value, tick, priority)
+            if self._tiers is not None:
+                self._tiers.on_insert(query, path_concat(node, values=True), num_cached, salt)
         return InsertResult(num_cached, node)
 
     def lock(self, node: TreeNode) -> None:
@@ -177,7 +189,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected_size -= len(node.key)
                 self._count_evictable(node, len(node.key))
-                if not node.children:
+                if not has_pool_child(node):
                     self._queue.add(node)
             node = node.parent
 
@@ -191,8 +203,8 @@ class RadixCache:
             node = self._queue.pop(self._over_quota()) or self._queue.pop()
             if node is None:
                 break
-            self._remove_leaf(node)
             freed.extend(node.value)
+            self._evict_node(node)
         return freed.tolist()
 
     def _over_quota(self) -> list[str]:
@@ -210,6 +222,8 @@ class RadixCache:
         self._evictable_size = 0
         self._evictable_by_salt.clear()
         self._queue.clear()
+        self._tier_keys.clear()
+        self._tier_tokens.clear()
         if self._on_event is not None:
             self._on_event(CacheEvent(CacheEventKind.CLEARED, (), 0, ""))
         return slots
@@ -228,11 +242,17 @@ class RadixCache:
         assert by_salt == self.evictable_by_salt, (by_salt, self.evictable_by_salt)
         assert tree.leaves == self._queue.leaves, "evictable leaf set is stale"
         assert tree.leaves <= self._queue.queued(), "an evictable leaf is not queued"
+        assert tree.tier_tokens == self.tier_tokens, (tree.tier_tokens, self.tier_tokens)
+        assert tree.tier_keys == self._tier_keys, "the tier block index is stale"
         values = tree.values
         assert len(np.unique(np.frombuffer(values, dtype=C_INT))) == len(values), "slot twice"
-        assert_whole_pages(values, self.page_size)
+        self._assert_whole_pages(values)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _assert_whole_pages(self, slots: array[int]) -> None:
+        if self.page_size > 1:
+            whole_pages(np.frombuffer(slots, dtype=C_INT), self.page_size)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -264,8 +284,12 @@ class RadixCache:
         del parent.children[child_key(leaf.key, 0, self.page_size)]
         self._queue.discard(leaf)
         self._count_evictable(leaf, -len(leaf.key))
+        self._after_child_left(parent)
+
+    def _after_child_left(self, parent: TreeNode) -> None:
+        """A child of parent was removed or offloaded: parent may now be an evictable leaf."""
         if parent.parent is not None:
-            if not parent.children and parent.lock_ref == 0:
+            if parent.tier is Tier.POOL and parent.lock_ref == 0 and not has_pool_child(parent):
                 self._queue.add(parent)
         elif not parent.children and parent.salt:
             del self._roots[parent.salt]  # an empty namespace costs nothing to recreate
@@ -278,7 +302,8 @@ class RadixCache:
         if self._on_event is None:
             return
         path = path_concat(node, values=False)
-        self._on_event(CacheEvent(kind, tuple(path), len(path) - len(node.key), node.salt))
+        self._on_event(CacheEvent(kind, tuple(path), len(path) - len(node.key), node.salt,
+                                  self._pool_medium))
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         return iter_nodes(self._roots.values())

@@ -1,6 +1,6 @@
 """Engine: one step is schedule -> run model -> sample -> commit to cache -> emit tokens.
 
-Owns: wiring the model runner, allocator, radix cache, slot table and scheduler together.
+Owns: wiring the model runner, allocator, radix cache and scheduler together.
 Does not know: HTTP, processes (loop.py drives it in the engine process), text (llm.py, the
 offline API, tokenizes around it).
 """
@@ -10,14 +10,16 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from radixserve.cache.kv_tiers import KVTiers
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
-from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.tiers_setup import build_tiers, pool_medium
 from radixserve.grammar.backend import GrammarBackend
 from radixserve.grammar.compiler import GrammarCompiler
 from radixserve.ipc.messages import (
@@ -28,12 +30,27 @@ from radixserve.ipc.messages import (
     PinMsg,
     UnpinMsg,
 )
+from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
-from radixserve.types import InvalidRequestError, SamplingParams, TokenOutput
+from radixserve.types import InvalidRequestError, Phase, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005  # an engine with nothing to run but grammars compiling sleeps this long
+MAX_TIMINGS = 4096  # requests whose step timings are kept (oldest dropped first)
+# A clean shutdown waits this long for the pool to reach the local tier (write-back); within
+# the API process's engine shutdown timeout. What is not written by then is only not warm.
+PERSIST_TIMEOUT_S = 8.0
+
+
+@dataclass
+class RequestTiming:
+    """What the engine measured for one request: its prompt's compute and its tier load."""
+
+    prefill_seconds: float = 0.0  # its share of the steps that computed its prompt
+    prefill_tokens: int = 0
+    load_seconds: float = 0.0  # the tier load that brought its prefix into the pool
+    load_tokens: int = 0
 
 
 def _grammar_backend(hf_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
@@ -48,22 +65,27 @@ class Engine:
         self.runner = ModelRunner(cfg, show_progress)
         pool = self.runner.pool
         self.allocator = PageAllocator(pool.size.num_pages, pool.size.page_size)
-        self._events: list[CacheEvent] = []
+        self._events: list[Any] = []  # CacheEvents, and the tiers' block events
         quota = cfg.tenant_cache_quota
+        self.tiers: KVTiers | None = build_tiers(cfg, self.runner)
         self.cache = RadixCache(
             pool.size.page_size, disabled=cfg.disable_radix_cache,
             on_event=self._events.append if cfg.enable_kv_events else None,
             eviction_policy=cfg.eviction_policy,
-            tenant_quota_tokens=None if quota is None else int(quota * pool.size.num_slots))
+            tenant_quota_tokens=None if quota is None else int(quota * pool.size.num_slots),
+            tiers=self.tiers, pool_medium=pool_medium(self.runner.device))
         r = self.runner
         # Grammars compile on a worker thread; the tokenizer's grammar view is built there too,
         # on the first constrained request.
         self.grammars = GrammarCompiler(functools.partial(
             _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids))
-        self.scheduler = Scheduler(cfg, self.allocator, self.cache, ReqTable(pool.slot_table),
-                                   r.max_model_len, r.spec.vocab_size, r.eos_token_ids,
-                                   self.grammars)
+        self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
+                                   r.spec.vocab_size, r.eos_token_ids, self.grammars,
+                                   self.tiers)
         self._replies: list[CallResultMsg] = []
+        self.timings: dict[str, RequestTiming] = {}  # rid -> its engine timings
+        if self.scheduler.tier_loads is not None:
+            self.scheduler.tier_loads.on_load = self._note_load
         self._pin_prefills: dict[str, PinMsg] = {}  # rid of the prefill request -> the call
 
     @property
@@ -78,10 +100,11 @@ class Engine:
             "quantization": self.cfg.quantization,
             "eos_token_ids": list(r.eos_token_ids), "attention_backend": r.backend_name,
             "disable_radix_cache": self.cfg.disable_radix_cache,
-            "schedule_policy": self.cfg.schedule_policy,
+            "schedule_policy": self.cfg.schedule_policy.value,
             "chunked_prefill_size": self.cfg.chunked_prefill_size,
             "max_running_requests": self.cfg.max_running_requests,
             "vocab_size": r.spec.vocab_size,
+            "kv_offload": None if self.tiers is None else self.tiers.describe(),
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
@@ -98,9 +121,15 @@ class Engine:
         if batch is None:
             if self.scheduler.waiting_on_grammars():
                 self.grammars.wait_any(GRAMMAR_WAIT_S)
+            elif self.scheduler.waiting_on_loads():
+                loads = self.scheduler.tier_loads
+                assert loads is not None
+                loads.wait_any(GRAMMAR_WAIT_S)
             outputs = self.scheduler.drain_aborted()
         else:
+            t0 = time.perf_counter()
             result = self.runner.run(batch)
+            self._note_step(batch, time.perf_counter() - t0)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
         if self._pin_prefills:
             outputs = [o for o in outputs if not self._pin_prefill_done(o)]
@@ -108,6 +137,34 @@ class Engine:
 
     def flush_cache(self, include_pins: bool = False) -> bool:
         return self.scheduler.flush_cache(include_pins)
+
+    def _note_step(self, batch: Batch, seconds: float) -> None:
+        """The engine's own prefill timings: the tiers' prefill rate, and per request the
+        seconds of the steps that computed its prompt (a step's time shared by tokens)."""
+        if batch.phase is Phase.DECODE:
+            return
+        if self.tiers is not None:
+            self.tiers.note_prefill(batch.num_tokens, seconds)
+        for i, entry in enumerate(batch.entries):
+            if batch.is_prefill(i):
+                t = self.timings.setdefault(entry.req.rid, RequestTiming())
+                t.prefill_seconds += seconds * entry.num_new_tokens / batch.num_tokens
+                t.prefill_tokens += entry.num_new_tokens
+        while len(self.timings) > MAX_TIMINGS:
+            del self.timings[next(iter(self.timings))]
+
+    def _note_load(self, rid: str, seconds: float, num_tokens: int) -> None:
+        t = self.timings.setdefault(rid, RequestTiming())
+        t.load_seconds += seconds
+        t.load_tokens += num_tokens
+
+    def close(self) -> None:
+        """Stop the tier threads; with write-back, first write the pool's blocks to the local
+        tier so that the next process starts warm (write-through already did)."""
+        if self.tiers is not None:
+            self.tiers.persist(self.cache, PERSIST_TIMEOUT_S)
+            self.tiers.close()
+            self.tiers = None
 
     # ---- pinned prefixes (the calls of /cache/pin) ----------------------------------------
 
@@ -173,11 +230,18 @@ class Engine:
                 "prefilled_tokens": computed}
 
     def drain_cache_events(self) -> list[CacheEvent]:
+        if self.tiers is not None and self.cfg.enable_kv_events:
+            self._events.extend(self.tiers.take_events())
         events, self._events[:] = list(self._events), []
         return events
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.scheduler.stats())
+        stats = dict(self.scheduler.stats())
+        if self.tiers is not None:
+            stats["kv_offload"] = {**self.tiers.stats(),
+                                   "tree_tokens": {t.value: n for t, n in
+                                                   self.cache.tier_tokens.items()}}
+        return stats
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

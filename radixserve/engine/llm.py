@@ -3,7 +3,7 @@
 Owns: turning prompts (text, token ids, chat conversations) into engine requests, running the
 engine until they finish, and collecting one RequestOutput per prompt, in input order.
 Chats with tools are rendered and their calls read back exactly as the HTTP server does
-(server/tool_prompt.py, server/tool_stream.py), so a prompt here and over HTTP share a cache
+(api/tools/prompt.py, api/tools/stream.py), so a prompt here and over HTTP share a cache
 prefix. Does not know: HTTP, processes. Runs the engine in the calling thread.
 """
 
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
+from radixserve.api.lengths import choice_seed
+from radixserve.api.tools.stream import tool_message
 from radixserve.config import EngineConfig
 from radixserve.engine.engine import Engine
 from radixserve.grammar.validate import check_constraint
 from radixserve.ipc.messages import GenerateMsg
-from radixserve.server.sizing import wrap_int64
-from radixserve.server.tool_stream import tool_message
 from radixserve.types import InvalidRequestError, SamplingParams, TemplateOptions, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
@@ -155,10 +155,10 @@ class LLM:
         HTTP. Messages and tools are validated as the server does (InvalidRequestError, a
         ValueError, naming the field).
         """
-        from radixserve.server.chat_messages import parse_messages
-        from radixserve.server.tool_parsers import get_format
-        from radixserve.server.tool_prompt import supports_tools, template_messages
-        from radixserve.server.tools import parse_tools
+        from radixserve.api.chat_messages import parse_messages
+        from radixserve.api.tools.parsers import get_format
+        from radixserve.api.tools.prompt import supports_tools, template_messages
+        from radixserve.api.tools.spec import parse_tools
         from radixserve.tokenizer import encode_chat
 
         if not messages:
@@ -199,6 +199,17 @@ class LLM:
     def kv_stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop the engine's tier threads; with --kv-offload-dir (write-back), write the pool
+        to the local tier first, so that a later LLM on the same directory starts warm."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool = False) -> None:
         from tqdm import tqdm
 
@@ -232,7 +243,7 @@ def _sequence_params(p: SamplingParams, i: int) -> SamplingParams:
     server's choice i of `n` does)."""
     if p.n == 1:
         return p
-    return replace(p, n=1, seed=None if p.seed is None else wrap_int64(p.seed + i))
+    return replace(p, n=1, seed=choice_seed(p.seed, i))
 
 
 def _one_of(sampling_params: Any, params: Any) -> Any:

@@ -167,8 +167,12 @@ def run_engine_process(cfg: EngineConfig,
                        factory: Callable[[EngineConfig], EngineLike] | None,
                        inbox: Connection, outbox: Connection) -> None:
     """Process entry point. `factory` None builds the real Engine (tests pass fakes)."""
-    # Ctrl-C reaches the whole process group; the API process owns the shutdown.
+    # Ctrl-C and a supervisor's SIGTERM reach the whole process group; the API process owns
+    # the shutdown (it drains, then sends ShutdownMsg). Dying on SIGTERM here would also skip
+    # multiprocessing's exit finalizers, leaking the semaphore of tqdm's process-shared lock
+    # (resource_tracker's "leaked semaphore" warning at shutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
         engine: EngineLike
@@ -193,3 +197,6 @@ def run_engine_process(cfg: EngineConfig,
         except OSError:
             pass
         raise SystemExit(1) from err
+    close = getattr(engine, "close", None)
+    if close is not None:  # a clean exit: the tiers persist the pool for the next process
+        close()

@@ -1,13 +1,16 @@
 """ModelRunner: loads the model, sizes the KV pool, and maps a Batch to sampled token ids.
 
-Owns: device/dtype choice, the weights, the KV pool tensors (their contents), the
-attention backend, and the sampler. Reads Req (token ids, slots, cached_len) but never
-writes it: the scheduler is the only mutator of requests.
+Owns: device/dtype choice, the weights, the KV pool tensors (their contents), the slot
+table's contents (it is the table's only writer: each batch entry says which positions of
+its request's slots to write into its row), the attention backend, and the sampler. Reads
+Req (token ids, slots, num_computed_tokens, table_row) but never writes it: the scheduler is
+the only mutator of requests.
 Does not know: the radix tree, queues, HTTP.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -71,18 +74,18 @@ MIN_SHARED_PREFIX = 64  # shorter shared prefixes are cheaper to attend per requ
 def find_shared_prefixes(reqs: list[Req]) -> list[tuple[list[int], int]]:
     """Groups of batch indices whose first S slots are the same tree pages, with S.
 
-    Only tree-owned slots (req.slots[:prefix_len]) are compared: they cannot change while
+    Only tree-owned slots (req.slots[:num_tree_tokens]) are compared: they cannot change while
     the request runs, and equal slots mean equal KV.
     """
     by_first: dict[int, list[int]] = {}
     for b, r in enumerate(reqs):
-        if r.prefix_len >= MIN_SHARED_PREFIX:
+        if r.num_tree_tokens >= MIN_SHARED_PREFIX:
             by_first.setdefault(r.slots[0], []).append(b)
     groups = []
     for members in by_first.values():
         if len(members) < 2:
             continue
-        length = min(reqs[b].prefix_len for b in members)
+        length = min(reqs[b].num_tree_tokens for b in members)
         block = np.array([reqs[b].slots[:length] for b in members])  # (n, length)
         same = (block == block[0]).all(axis=0)
         if not same.all():
@@ -164,34 +167,42 @@ class ModelRunner:
         return size
 
     def prepare(self, batch: Batch) -> StepInputs:
-        """Flatten the batch into ragged inputs (the scheduler has written the slot table)."""
+        """Flatten the batch into ragged inputs and write its slots into the slot table."""
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
         logit_rows: list[int] = []
-        prefix_lens = [r.cached_len for r in batch.reqs]
-        for req, n, sample in zip(batch.reqs, batch.extend_lens, batch.sample, strict=False):
-            assert req.table_row >= 0 and n > 0 and len(req.slots) >= req.cached_len + n
-            start, end = req.cached_len, req.cached_len + n
+        back: list[tuple[int, int, list[int]]] = []  # (row, first position, slots) to rewrite
+        reqs = batch.reqs
+        prefix_lens = [r.num_computed_tokens for r in reqs]
+        extend_lens = batch.new_token_counts
+        for e in batch.entries:
+            req, n = e.req, e.num_new_tokens
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            assert req.table_row >= 0 and n > 0 and len(req.slots) >= end
             ids += req.token_ids[start:end]
             positions += range(start, end)
             out_slots += req.slots[start:end]
-            if sample:
+            if e.sample:
                 logit_rows.append(len(ids) - 1)
+            if e.table_from < start:
+                back.append((req.table_row, e.table_from, req.slots[e.table_from : start]))
         dev = self.device
-        table = self.pool.slot_table
-        extend_lens = list(batch.extend_lens)
-        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=False)]
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
         cu = token_offsets(extend_lens)
-        rows = [r.table_row for r in batch.reqs]
+        rows = [r.table_row for r in reqs]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        extend_t = torch.tensor(extend_lens, dtype=torch.int32, device=dev)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        out_slots_t = torch.tensor(out_slots, dtype=torch.int64, device=dev)
+        self._write_table(rows_t, extend_t, positions_t, out_slots_t, back)
         shared: list[SharedPrefix] = []
         own_start = [0] * len(rows)
-        if len(batch.reqs) > 1:
-            for members, length in find_shared_prefixes(batch.reqs):
-                reqs = batch.reqs
+        if len(reqs) > 1:
+            for members, length in find_shared_prefixes(reqs):
                 slots = reqs[members[0]].slots[:length]
                 consecutive = slots[-1] - slots[0] == length - 1 and all(
-                    b - a == 1 for a, b in zip(slots, slots[1:], strict=False))
+                    b - a == 1 for a, b in itertools.pairwise(slots))
                 shared.append(SharedPrefix(
                     members=torch.tensor(members, dtype=torch.int64, device=dev),
                     slots=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -201,13 +212,13 @@ class ModelRunner:
                     own_start[b] = length
         meta = AttentionMetadata(
             phase=batch.phase,
-            slot_table=table,
-            rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            slot_table=self.pool.slot_table,
+            rows=rows_t,
             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
-            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=dev),
+            extend_lens=extend_t,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_extend=torch.tensor(cu, dtype=torch.int32, device=dev),
-            out_slots=torch.tensor(out_slots, dtype=torch.int64, device=dev),
+            out_slots=out_slots_t,
             prefix_lens_cpu=tuple(prefix_lens),
             extend_lens_cpu=tuple(extend_lens),
             max_seq_len=max(seq_lens),
@@ -219,17 +230,39 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=positions_t,
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
+
+    def _write_table(self, rows: torch.Tensor, extend_lens: torch.Tensor,
+                     positions: torch.Tensor, out_slots: torch.Tensor,
+                     back: list[tuple[int, int, list[int]]]) -> None:
+        """slot_table[row, p] = slot for every token this batch computes (one scatter), and
+        for the older positions an entry asks for (a new row, or adopted tree pages)."""
+        table = self.pool.slot_table  # (max_reqs, max_model_len) int32
+        token_rows = rows if rows.numel() == positions.numel() else torch.repeat_interleave(
+            rows, extend_lens, output_size=positions.numel())  # (T,)
+        table[token_rows, positions] = out_slots.to(table.dtype)
+        if not back:
+            return
+        b_rows: list[int] = []
+        b_pos: list[int] = []
+        b_slots: list[int] = []
+        for row, start, slots in back:
+            b_rows += [row] * len(slots)
+            b_pos += range(start, start + len(slots))
+            b_slots += slots
+        dev = table.device
+        table[torch.tensor(b_rows, device=dev), torch.tensor(b_pos, device=dev)] = torch.tensor(
+            b_slots, dtype=table.dtype).to(dev, non_blocking=True)
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every request with `sample` set, in order."""
         inputs = self.prepare(batch)
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
                                     self.pool.k, self.pool.v, inputs.logit_rows)
-        sampled = [r for r, s in zip(batch.reqs, batch.sample, strict=False) if s]
+        sampled = [e.req for e in batch.entries if e.sample]
         if not sampled:
             return SampleResult([], [])
         return self.sampler.sample(logits, sampled)

@@ -52,11 +52,6 @@ class Matcher:
         assert ok, self._m.get_error()
 
     @property
-    def can_end(self) -> bool:
-        """The output so far is a complete sentence of the grammar (EOS allowed)."""
-        return bool(self._m.is_accepting())
-
-    @property
     def terminated(self) -> bool:
         """Nothing may follow (the grammar ended, or EOS was accepted)."""
         return bool(self._m.is_stopped())

@@ -4,7 +4,7 @@ Owns: the worker pool and the compiled-grammar cache (LRU-bounded). The schedule
 `request(constraint)` when a constrained request arrives and `poll(constraint)` while it
 waits: the step loop never blocks on a compile. Identical specs compile once, even when their
 requests arrive together (one future per key).
-The backend (the tokenizer's llguidance view, ~1 s to build) is created on the first compile,
+The backend (the tokenizer's llguidance view, slow to build) is created on the first compile,
 on a worker thread: engines that never see a constrained request never pay for it.
 Does not know: requests, batches, tensors.
 """

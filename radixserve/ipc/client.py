@@ -81,10 +81,6 @@ class EngineClient:
     def transport(self) -> Transport:
         return self._transport
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     async def start(self) -> dict[str, Any]:
         """Start the engine and wait for it to be ready. Raises EngineUnavailableError."""
         self._loop = asyncio.get_running_loop()

@@ -6,8 +6,8 @@ configs, the model, logging (the caller logs the reason).
 
 The rule: CUDA -> bf16. CPU with AMX (amx_bf16) -> bf16. CPU with AVX512-BF16 but no AMX ->
 measure a decode-shaped matmul both ways and take bf16 only if it wins by MIN_BF16_SPEEDUP
-(on this project's EPYC it does: prepacked bf16 1.8x fp32 at 1 and 32 rows, 2.9x at 2048;
-bench/README.md). Anything else (AVX2-only: bf16 is emulated, ~5x slower) -> fp32.
+(on this project's EPYC it does; figures in bench/README.md). Anything else (AVX2-only: bf16
+is emulated, much slower) -> fp32.
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ residual add), the choice between oneDNN's prepacked weights and plain `F.linear
 Prepacked (CPU, fp32 or bf16 where oneDNN has it): every weight is reordered once, at load,
 into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and multiplied with
 `mkldnn._linear_pointwise`, whose epilogues also fuse SwiGLU's silu and product and the
-residual adds. The packed tensor replaces the plain weight: one copy in memory. Measured on
-this project's 2-core EPYC (AVX512-BF16, no AMX), SmolLM2-135M's layer shapes x 10, 1 thread,
-against `F.linear` on the same weights: fp32 1.8x at 32 rows (a decode step), 1.28x at 2048
-(a prefill chunk); bf16 1.35x / 1.09x. fp32 results differ from `F.linear`'s in the last bits
+residual adds. The packed tensor replaces the plain weight: one copy in memory. It is
+faster than `F.linear` on the same weights for decode steps and prefill chunks, fp32 and
+bf16 (figures: bench/README.md). fp32 results differ from `F.linear`'s in the last bits
 (another accumulation order, ~5e-6 absolute on unit-scale outputs); the greedy tokens of the
 HF parity tests stay identical (tests/test_model_parity.py runs with it on).
 Plain `F.linear` where prepacking does not apply: CUDA, other dtypes, a torch build without
@@ -102,7 +101,7 @@ class GatedMLP:
 
     Prepacked: gate and up are two GEMMs whose epilogues apply the silu and the product, and
     the residual add is down's epilogue: no (M, intermediate) temporaries beyond the two GEMM
-    outputs (a 500-token bf16 prefill's MLP ran ~18% faster). Otherwise HF's order on the
+    outputs (a faster prefill MLP; figures: bench/README.md). Otherwise HF's order on the
     fused gate_up weight; int8: one fused gate_up matmul (its kernels have no epilogues).
     """
 

@@ -8,8 +8,8 @@ path on CUDA, without the build, or with RADIXSERVE_NO_CPU_KERNELS=1. Does not k
 the attention backend, where the cos/sin tables come from (model/rope.py).
 
 Why: the torch forms run 4-6 elementwise ops per call, each a pass over (and a fresh
-allocation of) the whole activation; 91 calls per forward (two norms per layer, the final norm,
-RoPE per layer) were ~7% of a distinct-prompt workload's engine time.
+allocation of) the whole activation, and a forward makes 91 calls (two norms per layer, the
+final norm, RoPE per layer): a visible share of a distinct-prompt workload's engine time.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
         xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf
     # One fp32-accumulating reduction over the bf16 input instead of upcasting it first, and
-    # the fp32 scale fused into the multiply: 3x faster than F.rms_norm on a 500-token batch
-    # on CPU, and closer to HF (it rounds once where F.rms_norm's bf16 path rounds twice).
+    # the fp32 scale fused into the multiply: faster than F.rms_norm on CPU, and closer to HF (it rounds once where F.rms_norm's bf16 path rounds twice).
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # (T, 1)
     rstd = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
     return (x * rstd).to(dtype) * weight
@@ -88,7 +87,7 @@ def _rms_norm_native_below_fp32(x: torch.Tensor, weight: torch.Tensor, eps: floa
                                 ) -> torch.Tensor:
     """fp32 keeps torch's RMSNorm: the native op adds the squares in another order (a few
     ulps), and an int8 model's greedy tokens flipped on that (tests/test_quant.py); with the
-    pages kept (cpu_malloc.py) torch's fp32 form costs ~0.6 ms per (2048, 576) call."""
+    pages kept (cpu_malloc.py) torch's fp32 form is cheap enough."""
     if x.dtype == torch.float32:
         return rms_norm_reference(x, weight, eps)
     out: torch.Tensor = torch.ops.radixserve.rms_norm(x, weight, eps)

@@ -6,12 +6,12 @@ keeps a float copy). Weight-only: activations stay in their dtype (fp32 or bf16)
 quantized. Does not know: the model's layers (llama.py decides which Linear is quantized),
 configs, devices beyond "cpu or not".
 
-Kernels (measured on a 2-core AVX512-BF16/VNNI EPYC without AMX, torch 2.13, SmolLM2-135M
-shapes, 30 distinct layers, 1 thread; `python -m bench.quant_kernels`, see bench/README.md):
+Kernels (their speed against fp32's F.linear: `python -m bench.quant_kernels`, figures in
+bench/README.md):
 - CPU: the project's native kernel (int8_kernel.py) at every row count, on the weight packed
   once at load time: activations rounded to bf16, int8 weights widened to bf16 in the kernel,
-  fp32 accumulation. ~4x fp32's F.linear at 1 row (reading a quarter of the bytes), ~2.6x at
-  32 rows (bf16 dot products at twice fp32's rate), ~2.2x for prefill chunks.
+  fp32 accumulation. It beats fp32's F.linear at every row count: a quarter of the bytes
+  read at one row, bf16 dot products at twice fp32's rate for batches.
 - CPU where the native kernel did not build (or RADIXSERVE_NO_CPU_KERNELS=1): torch's
   weight-only `_weight_int8pack_mm` for <= WEIGHT_ONLY_MAX_ROWS rows, above that the int8
   weight widened to the activations' dtype inside the call (about fp32's speed).
@@ -31,7 +31,6 @@ from radixserve.model.int8_kernel import (
     Int8Gemm,
     load_int8_gemm,
     pack_int8_weight,
-    unpack_int8_weight,
 )
 
 QMAX = 127  # symmetric: -127..127, so that negation never overflows
@@ -59,11 +58,6 @@ def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
     scale = (w.abs().amax(dim=1) / QMAX).clamp_min(_MIN_SCALE)  # (N,)
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return Int8Weight(q.contiguous(), scale.contiguous())
-
-
-def dequantize(w: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight (N, K) the int8 one stands for."""
-    return (w.qweight.float() * w.scale[:, None]).to(dtype)
 
 
 def _has_weight_int8pack_mm() -> bool:
@@ -99,14 +93,6 @@ class Int8Linear:
         # dtype (bf16 there).
         weight_only = self.native is None and self.on_cpu and _has_weight_int8pack_mm()
         self.scale_bf16 = self.scale.to(torch.bfloat16) if weight_only else None
-
-    def int8_weight(self) -> Int8Weight:
-        """The plain (N, K) int8 weight and its scales, whichever layout is held."""
-        if self.qweight is not None:
-            return Int8Weight(self.qweight, self.scale)
-        assert self.packed is not None
-        return Int8Weight(unpack_int8_weight(self.packed, self.out_features, self.in_features),
-                          self.scale)
 
     @property
     def nbytes(self) -> int:

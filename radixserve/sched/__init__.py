@@ -1,4 +1,6 @@
-"""Scheduling: requests (req.py), the scheduler (their only mutator), its memory manager
-(pages between the allocator, the radix tree and requests) and its ordering policy.
-Engine-process side; pure Python over token ids and slot numbers, no tensors.
+"""Scheduling: requests and batches (req.py), the scheduler (their only mutator), its batch
+planner (which requests one step runs), its memory manager (pages between the allocator, the
+radix tree and requests; free slot-table rows), its ordering policy and pinned prefixes.
+Engine-process side; pure Python over token ids, slot numbers and row numbers, no tensors
+(the model runner writes the slot table from each batch).
 """

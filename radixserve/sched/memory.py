@@ -1,14 +1,18 @@
 """MemoryManager: the scheduler's page bookkeeping between the allocator, the tree and requests.
 
 Owns: allocation with eviction, matching and locking on admission, moving computed pages
-into the tree (at chunk boundaries and on release), and the decode-token reservation ratio.
-It mutates Req only on the scheduler's behalf (it is the scheduler's helper, not a peer).
-Does not know: batches, phases, sampling.
+into the tree (at chunk boundaries and on release), which rows of the slot table are free
+(row numbers only: the model runner writes the table's contents from each batch), and the
+decode-token reservation ratio. It writes a Req's page fields (slots, cache_node, table_row,
+num_computed_tokens, num_tree_tokens, num_table_slots) on the scheduler's behalf (it is the
+scheduler's helper, not a peer); never a status or a queue. Does not know: batches,
+phases, sampling, tensors.
 
-Region diagram of one request's slots (P = page size, k = cached_len rounded down to P):
+Region diagram of one request's slots (P = page size, k = num_computed_tokens rounded down
+to P):
 
-    [0, prefix_len)        tree pages, locked via req.cache_node
-    [prefix_len, k)        computed whole pages not yet in the tree -> inserted on progress
+    [0, num_tree_tokens)   tree pages, locked via req.cache_node
+    [num_tree_tokens, k)   computed whole pages not yet in the tree -> inserted on progress
     [k, len(slots))        the partial page and pages allocated ahead: held by the request
 """
 
@@ -18,7 +22,6 @@ from dataclasses import dataclass
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.req_table import ReqTable
 from radixserve.sched.req import Req
 
 
@@ -39,16 +42,23 @@ RATIO_DECAY_STEPS = 600
 
 
 class MemoryManager:
-    def __init__(self, allocator: PageAllocator, cache: RadixCache, req_table: ReqTable,
+    def __init__(self, allocator: PageAllocator, cache: RadixCache, num_rows: int,
                  disable_cache: bool) -> None:
         self.allocator = allocator
         self.cache = cache
-        self.table = req_table
+        self._free_rows = list(range(num_rows - 1, -1, -1))  # pop() gives row 0 first
         self.disabled = disable_cache
         self.page = allocator.page_size
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     # ---- allocation ----------------------------------------------------------------------
+
+    def alloc_pages(self, num_pages: int) -> list[int] | None:
+        """Pages for a tier load (held by the load until its tokens enter the tree)."""
+        return self._alloc_pages(num_pages)
+
+    def free_slots(self, slots: list[int]) -> None:
+        self.allocator.free(self.allocator.slots_to_pages(slots))
 
     def _alloc_pages(self, num_pages: int) -> list[int] | None:
         pages = self.allocator.alloc(num_pages)
@@ -86,35 +96,24 @@ class MemoryManager:
               force: bool) -> int:
         """Match, lock, take a table row and slots for the first chunk; return its length (0:
         not admitted, nothing changed). `force` admits despite the reservation (progress)."""
-        row = self.table.acquire()
-        if row is None:
+        if not self._free_rows:
             return 0
-        req.table_row = row
+        req.table_row, req.num_table_slots = self._free_rows.pop(), 0
         if not self.disabled:
             # Leave at least one token to compute: its logits give the next token.
             match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt,
                                             priority=req.priority)
             self.cache.lock(match.node)
             req.cache_node, req.slots = match.node, list(match.slots)
-            req.prefix_len = req.cached_len = match.cached_len
-        n = min(req.extend_len, budget, chunk_cap or req.extend_len)
+            req.num_tree_tokens = req.num_computed_tokens = match.cached_len
+        n = req.next_chunk_len(budget, chunk_cap)
         # The whole remaining prompt must fit, not only its first chunk, or chunked prompts
         # admitted together can fill the pool and wait on each other forever.
-        fits = self.available_tokens() - req.extend_len >= (0 if force else reserve)
-        if not fits or not self.ensure_slots(req, req.cached_len + n):
+        fits = self.available_tokens() - req.num_uncomputed_tokens >= (0 if force else reserve)
+        if not fits or not self.ensure_slots(req, req.num_computed_tokens + n):
             self.release(req)
             return 0
-        self.table.write_row(row, 0, req.slots[: req.cached_len])
         return n
-
-    def write_extend_entries(self, reqs: list[Req], lens: list[int]) -> None:
-        for req, n in zip(reqs, lens, strict=False):
-            self.table.write_row(req.table_row, req.cached_len,
-                                 req.slots[req.cached_len : req.cached_len + n])
-
-    def write_decode_entries(self, reqs: list[Req]) -> None:
-        self.table.write_entries([r.table_row for r in reqs], [r.cached_len for r in reqs],
-                                 [r.slots[r.cached_len] for r in reqs])
 
     # ---- moving pages into the tree ------------------------------------------------------
 
@@ -123,24 +122,23 @@ class MemoryManager:
         pages another request inserted first (freeing ours), and move the lock forward."""
         if self.disabled:
             return
-        k = req.cached_len // self.page * self.page
-        if k <= req.prefix_len:
+        k = req.num_computed_tokens // self.page * self.page
+        tree = req.num_tree_tokens
+        if k <= tree:
             return
         ins = self.cache.insert(req.token_ids[:k], req.slots[:k], req.cache_salt, req.priority)
-        dup = req.slots[req.prefix_len : ins.num_already_cached]
+        dup = req.slots[tree : ins.num_already_cached]
         match = self.cache.match_prefix(req.token_ids[:k], req.cache_salt)
         assert match.cached_len == k, (match.cached_len, k)
         self.cache.lock(match.node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         if dup:
-            req.slots[req.prefix_len : ins.num_already_cached] = match.slots[
-                req.prefix_len : ins.num_already_cached]
+            req.slots[tree : ins.num_already_cached] = match.slots[tree : ins.num_already_cached]
             self.allocator.free(self.allocator.slots_to_pages(dup))
-            if req.table_row >= 0:
-                self.table.write_row(req.table_row, req.prefix_len,
-                                     req.slots[req.prefix_len : ins.num_already_cached])
-        req.cache_node, req.prefix_len = match.node, k
+            # The runner's table row still names the freed pages: rewrite from here.
+            req.num_table_slots = min(req.num_table_slots, tree)
+        req.cache_node, req.num_tree_tokens = match.node, k
 
     def release(self, req: Req) -> None:
         """Give back everything a request holds (finish, abort, retract): computed pages go to
@@ -148,13 +146,14 @@ class MemoryManager:
         self.cache_progress(req)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
-        own = req.slots[req.prefix_len :]
+        own = req.slots[req.num_tree_tokens :]
         if own:
             self.allocator.free(self.allocator.slots_to_pages(own))
         if req.table_row >= 0:
-            self.table.release(req.table_row)
+            assert req.table_row not in self._free_rows, f"row {req.table_row} released twice"
+            self._free_rows.append(req.table_row)
         req.slots, req.cache_node, req.table_row = [], None, -1
-        req.prefix_len = req.cached_len = 0
+        req.num_tree_tokens = req.num_computed_tokens = req.num_table_slots = 0
 
     # ---- the decode reservation ----------------------------------------------------------
 
@@ -180,11 +179,11 @@ class MemoryManager:
         allocated) and an estimate of their future decode tokens."""
         this_step = {id(r): n for r, n in zip(batch, lens, strict=True)}
         promised = live + [r for r in batch if r not in live]
-        return sum(r.extend_len - this_step.get(id(r), 0) + self.future_tokens(r)
+        return sum(r.num_uncomputed_tokens - this_step.get(id(r), 0) + self.future_tokens(r)
                    for r in promised)
 
     def held_tokens(self, live: list[Req]) -> int:
-        return sum(len(r.slots) - r.prefix_len for r in live)
+        return sum(len(r.slots) - r.num_tree_tokens for r in live)
 
     def usage(self, live: list[Req]) -> KVUsage:
         return KVUsage(total=self.allocator.num_pages * self.page,
@@ -195,21 +194,31 @@ class MemoryManager:
         """Drop every cached prefix that is not locked. No request may be live (the caller
         checks); pins (locks the scheduler holds) survive."""
         cache = self.cache
-        freed = cache.reset() if cache.protected_size == 0 else cache.evict(cache.evictable_size)
+        # With tiers, eviction demotes: a flushed pool stays loadable from the tiers.
+        if cache.protected_size == 0 and not cache.tiered:
+            freed = cache.reset()
+        else:
+            freed = cache.evict(cache.evictable_size)
         if freed:
             self.allocator.free(self.allocator.slots_to_pages(freed))
 
-    def check_integrity(self, live: list[Req], pinned_tokens: int = 0) -> None:
+    def check_integrity(self, live: list[Req], pinned_tokens: int = 0,
+                        loading: list[int] | None = None) -> None:
         """free + cached + held == total, no slot owned twice, locks match live requests and
-        pins (`pinned_tokens`: the tokens on the pinned paths)."""
+        pins (`pinned_tokens`: the tokens on the pinned paths). `loading`: the slots tier
+        loads hold (held too; None: no load in flight, so no lock may be left over)."""
         self.allocator.check_integrity()
         self.cache.check_integrity()
-        held = self.held_tokens(live)
+        loading = loading or []
+        held = self.held_tokens(live) + len(loading)
         total = self.allocator.num_pages * self.page
         free, cached = self.allocator.num_free_slots, self.cache.total_size
         assert free + cached + held == total, (free, cached, held, total)
-        owned = [s for r in live for s in r.slots[r.prefix_len :]]
+        rows = [r.table_row for r in live]
+        assert len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows), rows
+        assert all(r.num_table_slots <= r.num_computed_tokens for r in live)
+        owned = [s for r in live for s in r.slots[r.num_tree_tokens :]] + loading
         assert len(owned) == len(set(owned)), "a slot is held by two requests"
         assert not set(owned) & set(self.cache.all_slots()), "a held slot is also in the tree"
-        if not live:
+        if not live and not loading:
             assert self.cache.protected_size == pinned_tokens, "locks left with no live request"

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from radixserve.config import SchedulePolicy
 from radixserve.sched.req import Req
 
 LPM_MAX_QUEUE = 128  # past this, matching every waiting request costs more than it saves
@@ -17,7 +18,8 @@ AGE_GUARD_SKIPS = 16  # a request passed over this many times goes to the front
 SHARE_MIN_TOKENS = 32  # an uncached run this long shared with a chosen request: wait a step
 
 
-def order_waiting(waiting: Sequence[Req], match_lens: dict[str, int], policy: str) -> list[Req]:
+def order_waiting(waiting: Sequence[Req], match_lens: dict[str, int],
+                  policy: SchedulePolicy) -> list[Req]:
     """Requests in the order admission should try them.
 
     Priority first (lower = more important), then lpm: most cached tokens first (ties:
@@ -26,7 +28,7 @@ def order_waiting(waiting: Sequence[Req], match_lens: dict[str, int], policy: st
     """
     aged = [r for r in waiting if r.num_skips >= AGE_GUARD_SKIPS]
     rest = [r for r in waiting if r.num_skips < AGE_GUARD_SKIPS]
-    if policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
+    if policy is SchedulePolicy.FCFS or len(waiting) > LPM_MAX_QUEUE:
         rest.sort(key=lambda r: r.priority)  # stable: arrival order within a priority
     else:
         rest.sort(key=lambda r: (r.priority, -match_lens.get(r.rid, 0), r.arrival))
@@ -43,17 +45,17 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def shares_uncached_prefix(req: Req, cached_len: int, chosen: Sequence[Req]) -> bool:
+def shares_uncached_prefix(req: Req, num_cached: int, chosen: Sequence[Req]) -> bool:
     """True when `req` shares >= SHARE_MIN_TOKENS uncached prompt tokens with a chosen request.
 
     Such a request should wait one step: the chosen one computes the shared part and inserts
     it into the tree, and this one then hits the cache instead of computing it again.
     """
     prompt = req.token_ids[: req.num_prompt_tokens]
-    if len(prompt) - cached_len < SHARE_MIN_TOKENS:
+    if len(prompt) - num_cached < SHARE_MIN_TOKENS:
         return False
     for other in chosen:
         shared = common_prefix_len(prompt, other.token_ids[: other.num_prompt_tokens])
-        if shared - cached_len >= SHARE_MIN_TOKENS:
+        if shared - num_cached >= SHARE_MIN_TOKENS:
             return True
     return False

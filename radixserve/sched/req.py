@@ -1,6 +1,7 @@
 """The engine's view of a request, and the batch the scheduler hands to the model runner.
 
-Owns: Req (mutable; only the scheduler and its MemoryManager write it), ReqStatus, Batch.
+Owns: Req (mutable; only the scheduler, and its MemoryManager for the page fields, write
+it), ReqStatus, ScheduledReq and Batch (frozen: what one forward computes), the chunk rule.
 Does not know: HTTP, tokenizers, tensors. Req compares by identity (eq=False): two requests
 with equal fields are still two requests, and `req in list` must not compare token lists.
 """
@@ -28,10 +29,12 @@ class ReqStatus(enum.Enum):
 class Req:
     """One request inside the engine. Only the scheduler mutates it.
 
-    Layout of `token_ids`: [prompt ... | output ...]; `cached_len` tokens of it have KV in
-    the pool (either matched from the radix tree or computed by this request). The slots of
-    those tokens are in `slots[:cached_len]`; `slots[:prefix_len]` belong to the tree (locked
-    through `cache_node`), the rest are held by this request.
+    Layout of `token_ids`: [prompt ... | output ...]. The counters, in vLLM's words:
+    `num_computed_tokens` tokens have KV in the pool (matched from the radix tree or computed
+    by this request), their slots are `slots[:num_computed_tokens]`; the first
+    `num_tree_tokens` of those slots belong to the tree (locked through `cache_node`), the
+    rest are held by this request; `num_cached_tokens` prompt tokens were served from the
+    cache on first admission (what the usage reports).
     """
 
     rid: str
@@ -43,10 +46,13 @@ class Req:
     priority: int = 0  # lower = more important: admitted first, preempted last, cache kept longer
     arrival: float = 0.0
     status: ReqStatus = ReqStatus.WAITING
-    cached_len: int = 0
-    prefix_len: int = 0  # tokens whose slots are owned by the tree (locked)
+    num_computed_tokens: int = 0
+    num_tree_tokens: int = 0  # leading tokens whose slots the tree owns (locked)
     num_cached_tokens: int = 0  # prompt tokens served from the cache on first admission
     table_row: int = -1  # NOTE: -1 only while not running; asserted on use
+    # Leading positions of `slots` that the model runner has written into `table_row` of its
+    # slot table; lowered when slots are replaced (a duplicate page adopted from the tree).
+    num_table_slots: int = 0
     cache_node: TreeNode | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -71,38 +77,65 @@ class Req:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def extend_len(self) -> int:
-        """Tokens still without KV (the next forward must compute them)."""
-        return self.num_tokens - self.cached_len
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still without KV (the next forwards must compute them)."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def remain_tokens(self) -> int:
         return self.max_new_tokens - self.num_output_tokens
 
+    def next_chunk_len(self, budget: int, chunk_cap: int | None) -> int:
+        """The chunk rule: how many uncomputed tokens the next prefill computes, given the
+        step's remaining token budget and the chunk cap (None: no chunking)."""
+        n = self.num_uncomputed_tokens
+        return min(n, budget, chunk_cap or n)
 
-@dataclass(eq=False)
+
+@dataclass(frozen=True, slots=True)
+class ScheduledReq:
+    """One request's part of a forward: tokens [req.num_computed_tokens, + num_new_tokens).
+
+    `sample`: a token is sampled after them (its prompt's last chunk, or a decode).
+    `table_from`: positions [table_from, num_computed_tokens + num_new_tokens) of req.slots
+    must be (re)written into req.table_row of the slot table before the forward.
+    """
+
+    req: Req
+    num_new_tokens: int
+    sample: bool
+    table_from: int
+
+
+@dataclass(frozen=True, eq=False)
 class Batch:
-    """What the scheduler hands to the model runner for one forward.
+    """What the scheduler hands to the model runner for one forward: one entry per request.
 
-    For EXTEND, request i computes tokens [reqs[i].cached_len, + extend_lens[i]) and samples
-    only when `sample[i]` (its last chunk). For DECODE, every request computes one token.
-    MIXED is a DECODE batch of the first `num_decodes` requests followed by an EXTEND batch.
+    PREFILL: prompt chunks. DECODE: one token per request. MIXED: a DECODE batch of the first
+    `num_decodes` entries followed by prefill chunks.
     """
 
     phase: Phase
-    reqs: list[Req]
-    extend_lens: list[int]
-    sample: list[bool]
-    num_decodes: int = 0  # MIXED only: reqs[:num_decodes] are running requests' decode tokens
+    entries: list[ScheduledReq]
+    num_decodes: int = 0  # MIXED only: entries[:num_decodes] are running requests' decodes
 
     def is_prefill(self, i: int) -> bool:
-        """Whether reqs[i] computes prompt tokens (EXTEND, or the extend part of MIXED)."""
-        return self.phase is Phase.EXTEND or (self.phase is Phase.MIXED and i >= self.num_decodes)
+        """Whether entries[i] computes prompt tokens (PREFILL, or the prefill part of MIXED)."""
+        return self.phase is Phase.PREFILL or (self.phase is Phase.MIXED
+                                               and i >= self.num_decodes)
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [e.req for e in self.entries]
+
+    @property
+    def new_token_counts(self) -> list[int]:
+        return [e.num_new_tokens for e in self.entries]
 
     @property
     def size(self) -> int:
-        return len(self.reqs)
+        return len(self.entries)
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.extend_lens)
+        return sum(e.num_new_tokens for e in self.entries)

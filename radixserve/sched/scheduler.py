@@ -1,19 +1,21 @@
 """Scheduler: the waiting queue, admission, chunked prefill, decode batches, preemption.
 
-Owns: every Req (it is their only mutator), table rows, and the request side of page
-ownership. Each page is free (PageAllocator), cached (RadixCache) or held by exactly one
-request: `req.slots[req.prefix_len:]`. `req.slots[:req.prefix_len]` are tree pages, locked
-through `req.cache_node`. Does not know: tensors beyond the slot table, sampling, HTTP.
-Batch assembly (prefill chunks, admission, decode and mixed batches, preemption) is the
-BatchForming half of this class, in batching.py; schedule() here picks which kind runs.
+Owns: every Req's lifecycle (it is their only mutator: status, queues, finish, counters,
+grammar matchers; its MemoryManager writes the page fields on its behalf), and the request
+side of page ownership. Each page is free (PageAllocator), cached (RadixCache) or held by
+exactly one request: `req.slots[req.num_tree_tokens:]`. `req.slots[:req.num_tree_tokens]`
+are tree pages, locked through `req.cache_node`. Does not know: tensors (the model runner
+writes the slot table from each batch; the scheduler keeps slots and row numbers), sampling,
+HTTP. Which requests a step runs is decided by its BatchPlanner (planner.py), which returns
+a StepPlan; schedule() here applies it to the requests.
 
-One step is EXTEND (prefill chunks of waiting/partially prefilled requests, ordered by
+One step is PREFILL (chunks of waiting/partially prefilled prompts, ordered by
 policy, sharing-aware), DECODE (one token for every running request), or, by default while
 both kinds of work wait, MIXED: every running request's next token and prefill chunks up to
 chunked_prefill_size tokens in one forward (decode-first: the decodes are scheduled first,
 the prefill fills the rest). The decodes then ride on the chunk's matmuls instead of waiting
 for it, so an inter-token gap is one bounded step. With mixed_chunk off, steps alternate:
-after an extend the running requests get a decode step, so a long prefill never starves them.
+after a prefill the running requests get a decode step, so a long prefill never starves them.
 
 Grammar-constrained requests: the grammar compiles off the step loop (GrammarCompiler); a
 request waits in the queue until its grammar is ready (the batch never waits), gets its
@@ -29,20 +31,21 @@ import time
 from collections import deque
 from typing import Any
 
+from radixserve.cache.kv_tiers import KVTiers
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.req_table import ReqTable
 from radixserve.config import EngineConfig
 from radixserve.grammar.compiler import GrammarCompiler
-from radixserve.sched.batching import BatchForming
+from radixserve.sched.counters import EngineCounters
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.pins import PinTable
+from radixserve.sched.planner import BatchPlanner, Move, StepPlan
 from radixserve.sched.req import Batch, Req, ReqStatus
-from radixserve.sched.rules import checked_max_new_tokens, stop_reason
+from radixserve.sched.request_rules import checked_max_new_tokens, stop_reason
+from radixserve.sched.tier_loads import TierLoads
 from radixserve.types import (
     FinishReason,
     InvalidRequestError,
-    Phase,
     SamplingParams,
     TokenLogprobs,
     TokenOutput,
@@ -51,13 +54,14 @@ from radixserve.types import (
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(BatchForming):
+class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
-                 req_table: ReqTable, max_model_len: int, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None) -> None:
+                 max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 grammars: GrammarCompiler | None = None, tiers: KVTiers | None = None) -> None:
         self.cfg = cfg
-        self.grammars = grammars
-        self.mem = MemoryManager(allocator, cache, req_table, cfg.disable_radix_cache)
+        # One slot-table row per running request (the model runner's table has as many).
+        self.mem = MemoryManager(allocator, cache, cfg.max_running_requests,
+                                 cfg.disable_radix_cache)
         max_pinned = cfg.max_pinned_tokens
         if max_pinned is None:
             max_pinned = allocator.num_pages * allocator.page_size // 4
@@ -72,10 +76,20 @@ class Scheduler(BatchForming):
         # Finished without a forward (aborted, or its grammar failed to compile: the error),
         # reported at the next step.
         self.aborted: list[tuple[Req, str | None]] = []
-        self.last_phase = Phase.DECODE
-        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-                         "prompt_tokens": 0, "generation_tokens": 0,
-                         "computed_tokens": 0, "num_aborted_requests": 0}
+        self.counters = EngineCounters()
+        # Requests whose prefix continues in a tier wait here while a worker loads it.
+        self.tier_loads = None if tiers is None else TierLoads(tiers, self.mem)
+        self.planner = BatchPlanner(cfg, self.mem, grammars, self.waiting, self.prefilling,
+                                    self.running, self.tier_loads)
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """The compiler of constrained requests' grammars (the planner polls the same one)."""
+        return self.planner.grammars
+
+    @grammars.setter
+    def grammars(self, compiler: GrammarCompiler | None) -> None:
+        self.planner.grammars = compiler
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -102,15 +116,23 @@ class Scheduler(BatchForming):
             return
         if req in self.waiting:
             self.waiting.remove(req)
+            if self.tier_loads is not None:
+                self.tier_loads.forget(req)  # a load still running finishes as an orphan
         else:
             self._drop_live(req)
             self.mem.release(req)
         self._finish(req, FinishReason.ABORT)
-        self.counters["num_aborted_requests"] += 1
+        self.counters.num_aborted_requests += 1
         self.aborted.append((req, None))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.aborted)
+        return bool(self.waiting or self.prefilling or self.running or self.aborted
+                    or (self.tier_loads is not None and self.tier_loads.busy()))
+
+    def waiting_on_loads(self) -> bool:
+        """Nothing can run until a tier load finishes (the engine may sleep on it)."""
+        return (self.tier_loads is not None and self.tier_loads.busy()
+                and not self.running and not self.prefilling)
 
     def waiting_on_grammars(self) -> bool:
         """Nothing can run until some grammar compiles (the engine may sleep on it)."""
@@ -123,40 +145,59 @@ class Scheduler(BatchForming):
     def schedule(self) -> Batch | None:
         if self.pins.pins:
             self.pins.expire()  # lazily: an expired pin only matters when pages are needed
-        want_extend = bool(self.waiting or self.prefilling)
-        if want_extend and self.running and self.cfg.mixed_chunk:
-            return self._schedule_mixed()
-        if want_extend and (self.last_phase is Phase.DECODE or not self.running):
-            batch = self._schedule_extend()
-            if batch is not None:
-                self.last_phase = Phase.EXTEND
-                return batch
-        batch = self._schedule_decode()
-        if batch is not None:
-            self.last_phase = Phase.DECODE
-            return batch
-        return self._schedule_extend() if want_extend else None
+        if self.tier_loads is not None:
+            self.tier_loads.sync()
+        plan = self.planner.plan()
+        self._apply(plan)
+        return plan.batch
+
+    def _apply(self, plan: StepPlan) -> None:
+        """Set what the planner decided on the requests (it only moved them and their pages)."""
+        for req, matcher in plan.matchers.values():
+            req.grammar = matcher
+        for move, req in plan.moves:
+            if move is Move.RETRACT:
+                req.status = ReqStatus.WAITING
+                req.num_preemptions += 1
+                self.counters.num_preemptions += 1
+                continue
+            req.status = ReqStatus.RUNNING
+            if self.tier_loads is not None:
+                self.tier_loads.forget(req)
+            if not req.stats_counted:
+                req.stats_counted = True
+                req.num_cached_tokens = req.num_computed_tokens
+                self.counters.prefix_cache_queries += req.num_prompt_tokens
+                self.counters.prefix_cache_hits += req.num_computed_tokens
+                self.counters.prompt_tokens += req.num_prompt_tokens
+        for req in plan.passed_over:  # ages towards the policy's guard
+            req.num_skips += 1
+        for req, error in plan.failed.values():  # ends here; its client gets a 400
+            self.waiting.remove(req)
+            self._finish(req, FinishReason.ABORT)
+            self.aborted.append((req, error))
 
     # ---- results -------------------------------------------------------------------------
 
     def process_outputs(self, batch: Batch, token_ids: list[int],
                         logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
         outputs = self.drain_aborted()
-        sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=False))
-        self.counters["computed_tokens"] += batch.num_tokens
-        for i, (req, n, sample) in enumerate(zip(batch.reqs, batch.extend_lens, batch.sample,
-                                                 strict=False)):
-            req.cached_len += n
+        sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=True))
+        self.counters.computed_tokens += batch.num_tokens
+        for i, entry in enumerate(batch.entries):
+            req = entry.req
+            req.num_computed_tokens += entry.num_new_tokens
+            req.num_table_slots = req.num_computed_tokens  # the runner wrote the table row
             prefill = batch.is_prefill(i)
             if prefill:
                 self.mem.cache_progress(req)
-            if not sample:
+            if not entry.sample:
                 continue
             token, lp = next(sampled)
             if req.status is ReqStatus.FINISHED:
                 continue  # aborted while its forward ran
             req.token_ids.append(token)
-            self.counters["generation_tokens"] += 1
+            self.counters.generation_tokens += 1
             reason = stop_reason(req, token, self.eos_token_ids, self.max_model_len)
             if prefill:
                 self.prefilling.remove(req)
@@ -201,11 +242,12 @@ class Scheduler(BatchForming):
     def stats(self) -> dict[str, Any]:
         live = self.running + self.prefilling
         kv = self.mem.usage(live)
+        loading = 0 if self.tier_loads is None else len(self.tier_loads.held_slots())
         return {
             "num_running": len(live), "num_waiting": len(self.waiting),
             "kv_total_tokens": kv.total, "kv_free_tokens": kv.free,
             "kv_cached_tokens": kv.cached, "kv_evictable_tokens": kv.evictable,
-            "kv_held_tokens": kv.held, **self.counters,
+            "kv_held_tokens": kv.held + loading, **self.counters.as_stats(),
             # Unlocked cached tokens per cache salt (tenant), for quotas and /metrics.
             "tenant_cached_tokens": self.mem.cache.evictable_by_salt,
             "num_pins": len(self.pins.pins), "pinned_tokens": self.pins.pinned_tokens,
@@ -215,4 +257,14 @@ class Scheduler(BatchForming):
         live = self.running + self.prefilling
         assert all(r.status is ReqStatus.RUNNING for r in live)
         assert all(r.status is ReqStatus.WAITING and not r.slots for r in self.waiting)
-        self.mem.check_integrity(live, self.pins.locked_tokens())
+        loads = self.tier_loads
+        if loads is None:
+            self.mem.check_integrity(live, self.pins.locked_tokens())
+            return
+        idle = loads.tiers.writer.idle()
+        if idle:
+            loads.tiers.check_stores()
+        loads.sync()  # the tree forgets what the stores dropped
+        self.mem.check_integrity(live, self.pins.locked_tokens(), loads.held_slots())
+        if idle and loads.tiers.writer.idle():
+            loads.tiers.check_tree(self.mem.cache.tier_keys())

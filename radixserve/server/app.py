@@ -1,11 +1,11 @@
-"""The aiohttp application: create_app(cfg, client) and run_server(cfg).
+"""The aiohttp application: create_app(cfg, client).
 
-Owns: middlewares (errors -> OpenAI JSON, never a stack trace; Bearer auth on every route but
-/health, /metrics and /version), the x-ratelimit-* headers on every response of a rate-limited
-key, route registration, the engine's life inside the app (cleanup_ctx: start in the
-background so /health answers 503 while loading; stop on exit), and the /kv_events wiring.
-Does not know: request formats (routes_*.py), the engine's internals, the process-level serve
-loop (serve.py).
+Owns: the error middleware (errors -> OpenAI JSON, never a stack trace), the middleware order
+(send bound, errors, auth: access/middleware.py), route registration, the engine's life
+inside the app (cleanup_ctx: start in the background so /health answers 503 while loading;
+stop on exit), and the /kv_events wiring.
+Does not know: request formats (routes/), the engine's internals, the process-level serve
+loop (serve.py: run_server).
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ from aiohttp import web
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
 from radixserve.kv_events import KVEventPublisher
-from radixserve.server.bounds import BODY_TIMEOUT_KEY, SEND_TIMEOUT_KEY, bounded_send
+from radixserve.server.access.body import BODY_TIMEOUT_KEY
+from radixserve.server.access.middleware import auth_middleware, rate_limit_headers
+from radixserve.server.access.send import SEND_TIMEOUT_KEY, bounded_send
+from radixserve.server.app_state import STATE_KEY, ServerState
 from radixserve.server.errors import APIError, error_response, to_api_error
-from radixserve.server.kv_events_route import setup_kv_events
-from radixserve.server.routes_cache import add_cache_routes
-from radixserve.server.routes_native import add_native_routes
-from radixserve.server.routes_openai import add_openai_routes
-from radixserve.server.routes_responses import add_responses_routes
-from radixserve.server.routes_tokenize import add_tokenize_routes
-from radixserve.server.state import CALLER_FIELD, STATE_KEY, ServerState
+from radixserve.server.routes.cache import add_cache_routes
+from radixserve.server.routes.kv_events import setup_kv_events
+from radixserve.server.routes.native import add_native_routes
+from radixserve.server.routes.openai import add_openai_routes
+from radixserve.server.routes.responses import add_responses_routes
+from radixserve.server.routes.tokenize import add_tokenize_routes
 from radixserve.server.stats_log import StatsLogger, log_capacity
 
 logger = logging.getLogger("radixserve.server")
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOAD_TASK_KEY: web.AppKey[asyncio.Task[None]] = web.AppKey("radixserve_load_task", asyncio.Task)
 
@@ -54,23 +55,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             logger.exception("internal error on %s %s", request.method, request.path)
             api_err = APIError(500, f"internal server error ({type(exc).__name__})")
         return error_response(api_err)
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path not in PUBLIC_PATHS:
-        request[CALLER_FIELD] = request.app[STATE_KEY].auth.authenticate(
-            request.headers.get("Authorization"))
-    return await handler(request)
-
-
-async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """OpenAI's x-ratelimit-* headers on every response to a key that has rpm/tpm limits."""
-    caller = request.get(CALLER_FIELD)
-    if caller is None or (caller.limits.rpm is None and caller.limits.tpm is None):
-        return
-    state = request.app[STATE_KEY]
-    response.headers.update(state.admission.rate.headers(caller.name, caller.limits))
 
 
 async def _load(state: ServerState) -> None:
@@ -108,7 +92,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     app[STATE_KEY] = state
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout
     app[SEND_TIMEOUT_KEY] = cfg.send_timeout
-    app.on_response_prepare.append(_rate_limit_headers)
+    app.on_response_prepare.append(rate_limit_headers)
     add_openai_routes(app)
     add_responses_routes(app)
     add_cache_routes(app)

@@ -1,7 +1,9 @@
-"""HTTP error types and the OpenAI error body.
+"""Errors as aiohttp responses: an APIError's JSON body, and which exceptions clients see.
 
-Owns: APIError (a typed, user-facing HTTP error), the `{"error": {...}}` JSON shape, and the
-mapping from the engine's InvalidRequestError. Does not know: routes, the engine client.
+Owns: json_response / error_response (the `{"error": {...}}` body as an aiohttp response) and
+to_api_error (the engine's InvalidRequestError and the engine client's failures as APIErrors).
+APIError itself and the body's shape live in radixserve/api/errors.py (no aiohttp); they are
+re-exported here for the routes. Does not know: routes, the engine client's internals.
 """
 
 from __future__ import annotations
@@ -11,55 +13,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from radixserve.api.errors import APIError as APIError
+from radixserve.api.errors import error_body as error_body
 from radixserve.types import InvalidRequestError
-
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error the client should see as-is: status, message and the parameter at fault."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    @classmethod
-    def from_invalid(cls, err: InvalidRequestError) -> APIError:
-        return cls(err.status, str(err), param=err.param)
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
-
-
-def error_body(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    fallback = "invalid_request_error" if status < 500 else "server_error"
-    err_type = _TYPE_BY_STATUS.get(status, fallback)
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def json_response(data: Any, status: int = 200,

@@ -74,6 +74,49 @@ class _EngineStatsCollector(Collector):
         for salt, n in sorted((stats.get("tenant_cached_tokens") or {}).items()):
             tenants.add_metric([self._tenant_label(salt)], float(n))
         yield tenants
+        yield from _tier_metrics(stats.get("kv_offload"))
+
+
+# Per tier (label `tier`: local, shared), from the engine's kv_offload stats; name -> (field,
+# counter?, help).
+_TIER_FAMILIES = {
+    "kv_offload_hit_tokens": ("hit_tokens_total", True,
+                              "Prompt tokens loaded from a KV tier instead of recomputed."),
+    "kv_offload_stored_tokens": ("stored_tokens", False,
+                                 "Tokens of the KV blocks a tier holds now."),
+    "kv_offload_store_bytes": ("stored_bytes_total", True, "KV bytes written to a tier."),
+    "kv_offload_load_bytes": ("loaded_bytes_total", True, "KV bytes read from a tier."),
+    "kv_offload_load_seconds": ("load_seconds_total", True,
+                                "Seconds spent reading KV blocks from a tier."),
+    "kv_offload_store_seconds": ("store_seconds_total", True,
+                                 "Seconds spent writing KV blocks to a tier (off the step)."),
+}
+
+
+def _tier_metrics(tiers: dict[str, Any] | None) -> Iterator[Metric]:
+    if not tiers:
+        return
+    for name, (key, counter, doc) in _TIER_FAMILIES.items():
+        family: CounterMetricFamily | GaugeMetricFamily = (
+            CounterMetricFamily(PREFIX + name, doc, labels=["tier"]) if counter
+            else GaugeMetricFamily(PREFIX + name, doc, labels=["tier"]))
+        for tier, values in sorted(tiers.get("tiers", {}).items()):
+            family.add_metric([tier], float(values.get(key, 0)))
+        yield family
+    errors = CounterMetricFamily(
+        PREFIX + "kv_offload_errors", "KV tier faults, by kind: a bad block read (corrupt, "
+        "truncated, wrong_key, vanished, io_error) is a miss; a failed write (no_space, "
+        "write_error) drops the block.", labels=["kind"])
+    for kind, n in sorted(tiers.get("errors", {}).items()):
+        errors.add_metric([kind], float(n))
+    yield errors
+    for name, key, doc in (
+            ("kv_offload_load_bytes_per_second", "load_bytes_per_s",
+             "Measured tier load bandwidth (running average)."),
+            ("kv_offload_prefill_tokens_per_second", "prefill_tokens_per_s",
+             "Measured prefill rate the load-or-recompute decision compares against.")):
+        if tiers.get(key) is not None:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(tiers[key]))
 
 
 class ServerMetrics:

@@ -24,9 +24,9 @@ from aiohttp import web
 from radixserve.config import ConfigError, ServerConfig
 from radixserve.ipc.client import EngineClient, EngineUnavailableError
 from radixserve.ipc.transport import EngineFactory
+from radixserve.server.access.connections import GuardedRunner
 from radixserve.server.app import LOAD_TASK_KEY, create_app
-from radixserve.server.bounds import GuardedRunner
-from radixserve.server.state import STATE_KEY, ServerState
+from radixserve.server.app_state import STATE_KEY, ServerState
 
 logger = logging.getLogger("radixserve.server")
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from radixserve.server.bounds import send_within
+from radixserve.server.access.send import send_within
 from radixserve.server.errors import APIError, to_api_error
 
 logger = logging.getLogger("radixserve.server")

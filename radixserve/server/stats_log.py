@@ -33,6 +33,7 @@ class StatsLogger:
         self._prev: dict[str, Any] = {}
         self._prev_time = time.monotonic()
         self._window: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_WINDOW)
+        self._tier_hits: dict[str, int] = {}  # hit tokens per tier at the last line
 
     def line(self) -> str | None:
         """The log line for the interval just ended; None when the engine was idle throughout."""
@@ -58,7 +59,19 @@ class StatsLogger:
                 f"Avg generation throughput: {gen / elapsed:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {usage:.1f}% held, {cached:.1f}% cached, "
-                f"Prefix cache hit rate: {hit_rate:.1f}%")
+                f"Prefix cache hit rate: {hit_rate:.1f}%{self._tiers(stats)}")
+
+    def _tiers(self, stats: dict[str, Any]) -> str:
+        """", KV tiers: local 1234 tok (+96 hit), shared ..." (tokens held, tokens loaded over
+        the interval); empty without tiers."""
+        tiers = (stats.get("kv_offload") or {}).get("tiers") or {}
+        parts = []
+        for name, t in sorted(tiers.items()):
+            hits = int(t.get("hit_tokens_total", 0))
+            parts.append(f"{name} {int(t.get('stored_tokens', 0))} tok "
+                         f"(+{hits - self._tier_hits.get(name, 0)} hit)")
+            self._tier_hits[name] = hits
+        return f", KV tiers: {', '.join(parts)}" if parts else ""
 
     async def run(self) -> None:
         while True:

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from radixserve.api.keys import cache_salt_for_api_key
 from radixserve.kv_events import (
     AllBlocksCleared,
     BlockEvent,
@@ -31,9 +32,8 @@ from radixserve.kv_events import (
     BlockStored,
     KVEventPublisher,
     block_hashes,
-    cache_salt_for_api_key,
 )
-from radixserve.server.kv_events_route import setup_kv_events
+from radixserve.server.routes.kv_events import setup_kv_events
 from router.config import RouterConfig
 
 

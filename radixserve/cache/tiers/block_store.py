@@ -273,21 +273,25 @@ class BlockStore:
         return _Listing(blocks, stale)
 
     def check_integrity(self) -> None:
-        """Index bytes recount, and every indexed block's file exists (with its size, on the
-        local tier). On the shared tier, entries whose file vanished are dropped instead."""
+        """Index bytes recount against the files. A file deleted, or whose size changed, behind
+        the store's back (another replica on the shared tier; a disk fault or an operator on
+        either) leaves the index and is reported through take_evicted(), so the tree forgets
+        it: a miss, never an integrity failure of the engine (a size change also counts as
+        "truncated")."""
         with self._lock:
             self._index.check()
             assert self._index.bytes_used <= self._index.capacity, "over capacity"
             for key, size in list(self._index.sizes.items()):
                 try:
                     on_disk = self.path(key).stat().st_size
-                except FileNotFoundError:
-                    assert self.tier is Tier.SHARED, f"indexed block {key} has no file"
+                except FileNotFoundError:  # deleted behind our back: forgotten, reported
                     self._index.remove(key)
                     self._index.evicted.append(key)
                     continue
-                if self.tier is not Tier.SHARED:
-                    assert on_disk == size, f"block {key}: {on_disk} bytes on disk, {size} indexed"
+                if on_disk != size:  # cut or replaced behind our back: a miss, not a bug
+                    self._index.remove(key)
+                    self._index.evicted.append(key)
+                    self._counters.errors["truncated"] += 1
 
 
 def _write_all(fd: int, bufs: tuple[bytes, memoryview, bytes]) -> None:

@@ -1,0 +1,53 @@
+"""Building the KV tiers of an engine from its config and its model runner.
+
+Owns: the fingerprint of what computes the KV (model identity, dtype, layout), the tier sizes
+in bytes, and the pool's medium name in kv_events. Does not know: the tree, the scheduler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import xxhash
+
+from radixserve.cache.kv_tiers import KVTiers, TierSettings, fingerprint
+from radixserve.cache.tier_io import KVCodec
+from radixserve.config import EngineConfig
+from radixserve.engine.model_runner import ModelRunner
+from radixserve.kv_events import MEDIUM_CPU, MEDIUM_GPU
+
+GIB = 1 << 30
+
+
+def pool_medium(device: torch.device) -> str:
+    return MEDIUM_GPU if device.type == "cuda" else MEDIUM_CPU
+
+
+def model_identity(name: str, hf_dir: Path) -> str:
+    """The model's name plus a digest of its config and weight files (names and sizes): two
+    models with one name but other weights never share blocks."""
+    h = xxhash.xxh64()
+    config = hf_dir / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(hf_dir.iterdir()):
+        if path.suffix in (".safetensors", ".gguf", ".bin"):
+            h.update(f"{path.name}:{path.stat().st_size};".encode())
+    return f"{name}#{h.hexdigest()}"
+
+
+def build_tiers(cfg: EngineConfig, runner: ModelRunner) -> KVTiers | None:
+    if not cfg.kv_tiers_enabled:
+        return None
+    spec = runner.spec
+    fp = fingerprint(model_identity(runner.resolved.name, runner.resolved.hf_dir), runner.dtype,
+                     spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    size = int(cfg.kv_offload_size * GIB)
+    settings = TierSettings(
+        local_dir=None if cfg.kv_offload_dir is None else Path(cfg.kv_offload_dir),
+        local_bytes=size,
+        shared_dir=None if cfg.kv_shared_dir is None else Path(cfg.kv_shared_dir),
+        shared_bytes=size, write_policy=cfg.kv_offload_write_policy,
+        host_bytes=int(cfg.kv_offload_host_size * GIB) if runner.device.type == "cuda" else 0)
+    return KVTiers(settings, fp, KVCodec(runner.pool.k, runner.pool.v), cfg.enable_kv_events)

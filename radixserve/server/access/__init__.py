@@ -1,0 +1,5 @@
+"""Who may use the server and how much of it: authentication (auth.py), admission limits
+(limits.py), the auth and rate-limit-header middleware (middleware.py), and the HTTP guards:
+request deadlines (deadline.py), body caps (body.py), send timeouts (send.py) and the
+connection cap (connections.py).
+"""

@@ -1,0 +1,269 @@
+"""OpenAI routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+Owns: OpenAI's wire format (responses, stream chunks, usage, both logprobs shapes).
+Does not know: how tokens are produced (ServerState and choice_stream.py do that).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.api.jobs import ChoiceJob
+from radixserve.api.protocol import ChatRequest, parse_chat, parse_completion
+from radixserve.api.tools.parsers import CallFormat
+from radixserve.api.tools.stream import TOOL_CALLS_FINISH, ChatToolStream, tool_message
+from radixserve.server.app_state import PREVIEW_FIELD, STATE_KEY, ServerState, read_json
+from radixserve.server.choice_stream import ChoiceChunk
+from radixserve.server.errors import json_response
+from radixserve.server.sse import write_sse
+from radixserve.types import TokenLogprobs
+
+
+class Usage:
+    """prompt_tokens counts each prompt once (not once per choice, as OpenAI); cached_tokens is,
+    per prompt, the smallest cache hit among its choices."""
+
+    def __init__(self, jobs: list[ChoiceJob]) -> None:
+        self._prompt_len = {j.prompt_index: len(j.prompt_ids) for j in jobs}
+        self._prompt_of = {j.index: j.prompt_index for j in jobs}
+        self._cached: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, chunk: ChoiceChunk) -> None:
+        self.completion_tokens += len(chunk.token_ids)
+        if chunk.token_ids:
+            p = self._prompt_of[chunk.index]
+            self._cached[p] = min(self._cached.get(p, chunk.num_cached_tokens),
+                                  chunk.num_cached_tokens)
+
+    def body(self) -> dict[str, Any]:
+        prompt = sum(self._prompt_len.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached.values())}}
+
+
+class CompletionLogprobs:
+    """The legacy completions shape; text_offset runs across the chunks of one choice."""
+
+    def __init__(self, token_str: Callable[[int], str], start_offset: int) -> None:
+        self._token_str = token_str
+        self._offset = start_offset
+
+    def format(self, token_ids: list[int], lps: list[TokenLogprobs | None]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        for token_id, lp in zip(token_ids, lps, strict=True):
+            text = self._token_str(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else lp.token_logprob)
+            out["top_logprobs"].append(
+                None if lp is None else {self._token_str(t): v for t, v in lp.top})
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return out
+
+
+def chat_logprobs(token_str: Callable[[int], str], token_ids: list[int],
+                  lps: list[TokenLogprobs | None]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, lp in zip(token_ids, lps, strict=True):
+        if lp is not None:
+            item = entry(token_id, lp.token_logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+            content.append(item)
+    return {"content": content}
+
+
+def start_request(request: web.Request) -> tuple[ServerState, float]:
+    """The server state (503 unless ready) and the request's arrival time."""
+    state = request.app[STATE_KEY]
+    state.ensure_ready()
+    return state, time.perf_counter()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state, arrival = start_request(request)
+    req = parse_completion(await read_json(request), state.check_constraint)
+    state.check_model(req.opts.model)
+    prompts = [await state.encode(p) for p in req.prompts]
+    if isinstance(req.prompts[0], str):
+        request[PREVIEW_FIELD] = req.prompts[0]
+    jobs = state.caller_jobs(request, prompts, req.opts, "prompt")
+    echo = None
+    if req.echo:
+        echo = [p if isinstance(p, str) else state.tokenizer.decode(list(p)) for p in req.prompts]
+    want_lp = req.opts.params.logprobs is not None
+    with state.admit(request, jobs) as ticket:
+        chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
+        events = _completion_events(state, jobs, chunks, echo, want_lp)
+        if req.opts.stream:
+            return await write_sse(request, _with_usage(events, req.opts.include_usage))
+        return json_response(await _collect_completion(events, len(jobs)))
+
+
+async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
+                             chunks: AsyncGenerator[ChoiceChunk, None], echo: list[str] | None,
+                             want_lp: bool) -> AsyncGenerator[dict[str, Any], None]:
+    """Completion chunks; the very last item is the usage object (popped by the callers)."""
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": state.model_name}
+    usage = Usage(jobs)
+    lp_builders: dict[int, CompletionLogprobs] = {}
+    async with aclosing(chunks) as stream:
+        async for c in stream:
+            usage.add(c)
+            text, first = c.text, c.index not in lp_builders
+            if first:
+                prefix = echo[jobs[c.index].prompt_index] if echo else ""
+                lp_builders[c.index] = CompletionLogprobs(state.token_str, len(prefix))
+                text = prefix + text
+            lp = lp_builders[c.index].format(c.token_ids, c.logprobs) if want_lp else None
+            if text or c.finish_reason or lp:
+                yield {**base, "choices": [{"index": c.index, "text": text, "logprobs": lp,
+                                            "finish_reason": c.finish_reason}]}
+    yield {**base, "choices": [], "usage": usage.body()}
+
+
+async def _with_usage(events: AsyncGenerator[dict[str, Any], None],
+                      include_usage: bool) -> AsyncGenerator[dict[str, Any], None]:
+    async with aclosing(events) as stream:
+        async for event in stream:
+            if "usage" not in event or include_usage:
+                yield event
+
+
+async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
+                              num_choices: int) -> dict[str, Any]:
+    choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": None}
+               for i in range(num_choices)]
+    last: dict[str, Any] = {}
+    async with aclosing(events) as stream:
+        async for event in stream:
+            last = event
+            for part in event["choices"]:
+                choice = choices[part["index"]]
+                choice["text"] += part["text"]
+                choice["finish_reason"] = part["finish_reason"]
+                if part["logprobs"] is not None:
+                    if choice["logprobs"] is None:
+                        choice["logprobs"] = {k: [] for k in part["logprobs"]}
+                    lp = choice["logprobs"]
+                    for k, values in part["logprobs"].items():
+                        lp[k].extend(values)
+    return {**last, "choices": choices}
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, arrival = start_request(request)
+    req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
+    jobs, calls = await chat_jobs(request, state, req, "messages")
+    with state.admit(request, jobs) as ticket:
+        chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
+        if req.opts.stream:
+            events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
+                                  calls)
+            return await write_sse(request, _with_usage(events, req.opts.include_usage))
+        return json_response(await _collect_chat(state, jobs, chunks, calls))
+
+
+async def chat_jobs(request: web.Request, state: ServerState, req: ChatRequest,
+                    param: str) -> tuple[list[ChoiceJob], CallFormat | None]:
+    """A parsed chat request's choices (its prompt rendered, the caller's limits applied;
+    `param` names the prompt's field in errors) and the call format its output is read back
+    with: tool calls unless tool_choice is "none" (or there are no tools)."""
+    state.check_model(req.opts.model)
+    prompt = await state.encode_messages(req.messages, req.tools, req.template)
+    request[PREVIEW_FIELD] = req.messages[-1]["content"]
+    jobs = state.caller_jobs(request, [prompt], req.opts, param)
+    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
+    return jobs, calls
+
+
+def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:
+    return [{"content": text}] if text else []
+
+
+async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
+                       chunks: AsyncGenerator[ChoiceChunk, None], want_lp: bool,
+                       calls: CallFormat | None) -> AsyncGenerator[dict[str, Any], None]:
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": state.model_name}
+    usage = Usage(jobs)
+    started: set[int] = set()
+    tool_streams = {j.index: ChatToolStream(calls) for j in jobs} if calls else {}
+    async with aclosing(chunks) as stream:
+        async for c in stream:
+            usage.add(c)
+            if c.index not in started:  # OpenAI: the first chunk of a choice carries the role
+                started.add(c.index)
+                yield {**base, "choices": [{"index": c.index, "logprobs": None,
+                                            "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}
+            lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs) if want_lp else None
+            tools = tool_streams.get(c.index)
+            final = c.finish_reason is not None
+            deltas = (tools.deltas if tools else _plain_deltas)(c.text, final)
+            finish = tools.finish_reason(c.finish_reason) if tools else c.finish_reason
+            if finish or (lp and lp["content"]):
+                deltas = deltas or [{}]  # one chunk carries the finish / the logprobs
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                yield {**base, "choices": [{"index": c.index, "delta": delta,
+                                            "logprobs": lp if k == 0 else None,
+                                            "finish_reason": finish if last else None}]}
+    yield {**base, "choices": [], "usage": usage.body()}
+
+
+async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
+                        chunks: AsyncGenerator[ChoiceChunk, None],
+                        calls: CallFormat | None) -> dict[str, Any]:
+    want_lp = jobs[0].params.logprobs is not None
+    texts: list[list[str]] = [[] for _ in jobs]
+    lps: list[list[Any]] = [[] for _ in jobs]
+    finish: list[str | None] = [None] * len(jobs)
+    usage = Usage(jobs)
+    async with aclosing(chunks) as stream:
+        async for c in stream:
+            usage.add(c)
+            texts[c.index].append(c.text)
+            finish[c.index] = c.finish_reason or finish[c.index]
+            if want_lp:
+                lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs)
+                lps[c.index].extend(lp["content"])
+    choices = []
+    for i in range(len(jobs)):
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts[i])}
+        if calls is not None:
+            message, called = tool_message(calls, message["content"])
+            finish[i] = TOOL_CALLS_FINISH if called and finish[i] else finish[i]
+        choices.append({"index": i, "message": message,
+                        "logprobs": {"content": lps[i]} if want_lp else None,
+                        "finish_reason": finish[i]})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": state.model_name, "choices": choices,
+            "usage": usage.body()}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    card = {"id": state.model_name, "object": "model", "created": int(state.started),
+            "owned_by": "radixserve", "root": state.cfg.engine.model,
+            "max_model_len": state.max_model_len or None}
+    return json_response({"object": "list", "data": [card]})
+
+
+def add_openai_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
