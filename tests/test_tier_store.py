@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -231,6 +232,16 @@ def test_shared_tier_sees_other_writers_after_refresh(tmp_path: Path) -> None:
     assert not b.contains(key(1)) and b.take_evicted() == [key(1)]
     a.refresh()
     assert a.keys() == [] and a.take_evicted() == [key(1)]
+
+
+def test_refresh_of_a_vanished_directory_is_counted_not_raised(tmp_path: Path) -> None:
+    s = store(tmp_path / "tier", tier=Tier.SHARED)
+    s.put(key(0), payload(0))
+    shutil.rmtree(tmp_path / "tier")
+    s.refresh()
+    assert s.stats().errors == {"scan_error": 1}
+    assert s.get(key(0)).miss is MissReason.ABSENT
+    assert s.put(key(1), payload(1)) is StoreStatus.ERROR  # the directory is gone
 
 
 def test_local_integrity_forgets_a_missing_or_cut_file(tmp_path: Path) -> None:

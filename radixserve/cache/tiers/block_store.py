@@ -212,8 +212,14 @@ class BlockStore:
     def refresh(self) -> None:
         """Re-scan the directory: index blocks other processes (or a previous life) wrote, as
         most recent in mtime order; drop entries whose file vanished; unlink stale temp files;
-        evict down to capacity. One os.scandir plus a stat per new file."""
-        listing = self._list()
+        evict down to capacity. One os.scandir plus a stat per new file. Never raises for IO:
+        an unreadable directory is counted (errors["scan_error"]) and changes nothing."""
+        try:
+            listing = self._list()
+        except OSError:
+            with self._lock:
+                self._counters.errors["scan_error"] += 1
+            return
         with self._lock:
             known = set(self._index.sizes)
         fresh: list[tuple[float, str, int]] = []
