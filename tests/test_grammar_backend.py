@@ -163,7 +163,7 @@ def test_named_choice_ends_after_one_call(backend: GrammarBackend, tok: PreTrain
     """A named tool choice is exactly one call (vLLM's rule) even with parallel_tool_calls:
     after the call only the end of the output is allowed."""
     m = backend.compile(tools(ToolMode.NAMED, fmt)).matcher()  # parallel=True
-    assert feed(m, tok, call) and m.can_end
+    assert feed(m, tok, call) and can_end(m)
     assert allowed(m) == {EOS}
 
 

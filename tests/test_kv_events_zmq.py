@@ -188,13 +188,15 @@ def test_wire_layout_is_vllms_array_like_tagged_structs() -> None:
         pub.listeners.append(zpub.publish)
         _synced(pub, sub)
         hashes = block_hashes([5, 6, 7, 8], 2)
-        pub.publish_blocks([BlockStored(tuple(hashes), None, (5, 6, 7, 8), 2),
+        # An explicit medium (a tier's) passes through; the removal names the medium the
+        # block was stored in (the publisher tracks live blocks per medium).
+        pub.publish_blocks([BlockStored(tuple(hashes), None, (5, 6, 7, 8), 2, "GPU"),
                             BlockRemoved((hashes[1],), "GPU")])
         while sub.next_seq != pub.last_seq:  # every batch is sent: ZMQ seq = batch seq - 1
             assert sub.poll(5000)
         seq, payload = sub.replay(pub.last_seq - 1)[0]
         raw = msgspec.msgpack.decode(payload)
-        assert raw[1] == [["BlockStored", hashes, None, [5, 6, 7, 8], 2, None, "CPU"],
+        assert raw[1] == [["BlockStored", hashes, None, [5, 6, 7, 8], 2, None, "GPU"],
                           ["BlockRemoved", [hashes[1]], "GPU"]]
         assert isinstance(raw[0], float) and raw[2] == 0 and len(raw) == 3
         assert sub.topics == {b"kv-events"} and seq == pub.last_seq - 1
