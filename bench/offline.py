@@ -103,7 +103,7 @@ def section_shared(model: str, dtype: str, runs: int, groups: int, per_group: in
             dt = time.perf_counter() - t
             rates.append(sum(len(r.token_ids) for r in res) / dt)
             ttfts.append(statistics.mean(r.ttft for r in res))
-            hits.append(sum(r.num_cached_tokens for r in res) / sum(len(r.prompt_ids) for r in res))
+            hits.append(sum(r.num_cached_tokens for r in res) / sum(r.num_prompt_tokens for r in res))
         rate, ttft = statistics.median(rates), statistics.median(ttfts)
         base = base or (rate, ttft)
         rows.append([label, f"{rate:.1f}", f"{ttft:.3f}", f"{statistics.median(hits):.1%}",
