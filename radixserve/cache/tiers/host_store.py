@@ -13,7 +13,6 @@ outside it.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -26,45 +25,22 @@ from radixserve.cache.tiers.keys import (
     MissReason,
     StoreStatus,
     Tier,
-    TierStats,
 )
-from radixserve.cache.tiers.lru_index import LruIndex, TierCounters
+from radixserve.cache.tiers.lru_index import IndexedStore
 
 
-class HostStore:
+class HostStore(IndexedStore):
     def __init__(self, capacity_bytes: int, fp: Fingerprint, tier: Tier = Tier.LOCAL, *,
                  pin: bool | None = None) -> None:
         if tier is Tier.POOL:
             raise ValueError("a HostStore is a LOCAL or SHARED tier, not the pool")
-        self.tier = tier
+        super().__init__(capacity_bytes, tier)
         self.fp = fp
         self.pinned = torch.cuda.is_available() if pin is None else pin
-        self._lock = threading.Lock()
-        self._index = LruIndex(capacity_bytes)
         self._bufs: dict[str, torch.Tensor] = {}  # key -> (nbytes,) uint8, pinned on CUDA
-        self._counters = TierCounters()
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)  # (nbytes,)
-
-    # -- queries -------------------------------------------------------------------------------
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._index.sizes)
-
-    def take_evicted(self) -> list[str]:
-        """Keys this store evicted (LRU) since the last call."""
-        with self._lock:
-            return self._index.take_evicted()
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.snapshot(self.tier, self._index)
 
     # -- put -----------------------------------------------------------------------------------
 
