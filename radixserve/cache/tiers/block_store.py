@@ -83,11 +83,9 @@ class BlockStore(IndexedStore):
         payload = memoryview(payload).cast("B")
         size = block_format.stored_size(key, len(payload))
         with self._lock:
-            if key in self._index:
-                return StoreStatus.EXISTS
-            if size > self._index.capacity:
-                self._counters.errors["no_space"] += 1
-                return StoreStatus.NO_SPACE
+            refused = self._refuse(key, size)
+        if refused is not None:
+            return refused
         header = block_format.encode_header(key, self._digest, len(payload))
         trailer = block_format.encode_checksum(header, payload)
         tmp = self.root / _temp_name(key)
@@ -98,8 +96,7 @@ class BlockStore(IndexedStore):
             _unlink_quiet(tmp)
             return status
         with self._lock:
-            self._counters.stored_bytes += len(payload)
-            self._counters.store_s += time.perf_counter() - t0
+            self._counters.note_store(len(payload), time.perf_counter() - t0)
         return status
 
     def _write_temp(self, tmp: Path, bufs: tuple[bytes, memoryview, bytes]) -> StoreStatus:
@@ -166,9 +163,7 @@ class BlockStore(IndexedStore):
         out = bytes(payload)
         with self._lock:
             self._index.touch(key)
-            self._counters.hits += 1
-            self._counters.loaded_bytes += len(out)
-            self._counters.load_s += time.perf_counter() - t0
+            self._counters.note_hit(len(out), time.perf_counter() - t0)
         return LoadResult(out, None)
 
     def _miss(self, key: str, reason: MissReason, kind: str, *, drop: bool) -> LoadResult:

@@ -62,11 +62,9 @@ class HostStore(IndexedStore):
     def _put(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], object]) -> StoreStatus:
         t0 = time.perf_counter()
         with self._lock:
-            if key in self._index:
-                return StoreStatus.EXISTS
-            if nbytes > self._index.capacity:
-                self._counters.errors["no_space"] += 1
-                return StoreStatus.NO_SPACE
+            refused = self._refuse(key, nbytes)
+        if refused is not None:
+            return refused
         try:
             buf = self._alloc(nbytes)
             fill(buf)
@@ -85,8 +83,7 @@ class HostStore(IndexedStore):
                 del self._bufs[victim]
             self._bufs[key] = buf
             self._index.add(key, nbytes)
-            self._counters.stored_bytes += nbytes
-            self._counters.store_s += time.perf_counter() - t0
+            self._counters.note_store(nbytes, time.perf_counter() - t0)
         return StoreStatus.STORED
 
     # -- get / delete --------------------------------------------------------------------------
@@ -102,9 +99,7 @@ class HostStore(IndexedStore):
                 self._counters.misses += 1
                 return None
             self._index.touch(key)
-            self._counters.hits += 1
-            self._counters.loaded_bytes += buf.numel()
-            self._counters.load_s += time.perf_counter() - t0
+            self._counters.note_hit(buf.numel(), time.perf_counter() - t0)
             return buf
 
     def get(self, key: str) -> LoadResult:
@@ -117,9 +112,7 @@ class HostStore(IndexedStore):
             self._index.touch(key)
         data = buf.numpy().tobytes()
         with self._lock:
-            self._counters.hits += 1
-            self._counters.loaded_bytes += len(data)
-            self._counters.load_s += time.perf_counter() - t0
+            self._counters.note_hit(len(data), time.perf_counter() - t0)
         return LoadResult(data, None)
 
     def delete(self, key: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 
-from radixserve.cache.tiers.keys import Tier, TierStats
+from radixserve.cache.tiers.keys import StoreStatus, Tier, TierStats
 
 
 class LruIndex:
@@ -90,6 +90,15 @@ class TierCounters:
         self.misses = 0
         self.errors: Counter[str] = Counter()
 
+    def note_hit(self, nbytes: int, seconds: float) -> None:
+        self.hits += 1
+        self.loaded_bytes += nbytes
+        self.load_s += seconds
+
+    def note_store(self, nbytes: int, seconds: float) -> None:
+        self.stored_bytes += nbytes
+        self.store_s += seconds
+
     def snapshot(self, tier: Tier, index: LruIndex) -> TierStats:
         return TierStats(
             tier=tier, num_blocks=len(index), bytes_used=index.bytes_used,
@@ -108,6 +117,16 @@ class IndexedStore:
         self._lock = threading.Lock()  # guards _index and _counters (and a subclass's maps)
         self._index = LruIndex(capacity_bytes)
         self._counters = TierCounters()
+
+    def _refuse(self, key: str, size: int) -> StoreStatus | None:
+        """Why a put of `size` bytes under `key` ends before any work (counted); None: go on.
+        The caller holds the lock."""
+        if key in self._index:
+            return StoreStatus.EXISTS
+        if size > self._index.capacity:
+            self._counters.errors["no_space"] += 1
+            return StoreStatus.NO_SPACE
+        return None
 
     def contains(self, key: str) -> bool:
         with self._lock:
