@@ -17,6 +17,7 @@ from radixserve.cache.radix_types import Demotion
 from radixserve.cache.tier_io import BLOCK, KVCodec
 from radixserve.cache.tiers import Tier, block_key
 from radixserve.kv_events import BlockStored, block_hashes
+from radixserve.server.metrics import ServerMetrics
 
 LAYERS, SLOTS, HEADS, DIM = 2, 256, 2, 4
 
@@ -227,3 +228,13 @@ def test_cli_flags_and_offline_keywords(tmp_path: Path) -> None:
         EngineConfig(kv_offload_dir=tmp_path, kv_offload_size=0)
     with pytest.raises(ConfigError, match="different"):
         EngineConfig(kv_offload_dir=tmp_path, kv_shared_dir=tmp_path)
+
+
+def test_metrics_name_the_tier_fault_counter_by_kind() -> None:
+    stats = {"kv_offload": {"tiers": {"local": {"hit_tokens_total": 32, "stored_tokens": 64}},
+                            "errors": {"corrupt": 2, "no_space": 1}}}
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert 'radixserve:kv_offload_errors_total{kind="corrupt"} 2.0' in text
+    assert 'radixserve:kv_offload_errors_total{kind="no_space"} 1.0' in text
+    assert 'radixserve:kv_offload_hit_tokens_total{tier="local"} 32.0' in text
+    assert 'radixserve:kv_offload_stored_tokens{tier="local"} 64.0' in text

@@ -67,8 +67,10 @@ def run(llm: LLM, batch: list[list[int]], salt: str = "", params: SamplingParams
 def test_tokens_identical_with_tiers_off_and_on(tiny_llama: Path, tmp_path: Path) -> None:
     batch = prompts(4, 300)
     again = batch + batch  # the second round was evicted from the pool by the first
-    base, base_cached = run(make_llm(tiny_llama), again)
+    plain = make_llm(tiny_llama)
+    base, base_cached = run(plain, again)
     assert base_cached[4] == 0  # without tiers: evicted by the later prompts, recomputed
+    assert plain.engine.tiers is None and not plain.engine.timings  # no per-step tier work
     for policy in ("write_back", "write_through"):
         llm = make_llm(tiny_llama, kv_offload_dir=tmp_path / policy,
                        kv_offload_write_policy=policy)

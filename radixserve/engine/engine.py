@@ -147,10 +147,9 @@ class Engine:
     def _note_step(self, batch: Batch, seconds: float) -> None:
         """The engine's own prefill timings: the tiers' prefill rate, and per request the
         seconds of the steps that computed its prompt (a step's time shared by tokens)."""
-        if batch.phase is Phase.DECODE:
-            return
-        if self.tiers is not None:
-            self.tiers.note_prefill(batch.num_tokens, seconds)
+        if batch.phase is Phase.DECODE or self.tiers is None:
+            return  # tiers off: nothing reads the timings, so a step pays nothing for them
+        self.tiers.note_prefill(batch.num_tokens, seconds)
         for i, entry in enumerate(batch.entries):
             if batch.is_prefill(i):
                 t = self.timings.setdefault(entry.req.rid, RequestTiming())

@@ -38,10 +38,9 @@ from radixserve.cache.tiers.keys import (
     MissReason,
     StoreStatus,
     Tier,
-    TierStats,
     is_key,
 )
-from radixserve.cache.tiers.lru_index import LruIndex, TierCounters
+from radixserve.cache.tiers.lru_index import IndexedStore
 
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -55,42 +54,21 @@ class _Listing:
     stale_temps: list[str]  # temp files older than TEMP_GRACE_S
 
 
-class BlockStore:
+class BlockStore(IndexedStore):
     def __init__(self, root: Path, capacity_bytes: int, fp: Fingerprint, tier: Tier, *,
                  scan: bool = True, durable: bool = True) -> None:
         if tier is Tier.POOL:
             raise ValueError("a BlockStore is a LOCAL or SHARED tier, not the pool")
         self.root = Path(root)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.tier = tier
+        super().__init__(capacity_bytes, tier)
         self.fp = fp
         self.durable = durable  # False: skip fsync (tests, or a tier that need not survive)
         self._digest = fp.digest()
-        self._lock = threading.Lock()
-        self._index = LruIndex(capacity_bytes)
-        self._counters = TierCounters()
         if scan:
             self.refresh()
 
-    # -- queries -------------------------------------------------------------------------------
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._index.sizes)
-
-    def take_evicted(self) -> list[str]:
-        """Keys that left the index by LRU eviction or because their file vanished (refresh,
-        check_integrity) since the last call; not those removed by delete() or a failed get()."""
-        with self._lock:
-            return self._index.take_evicted()
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.snapshot(self.tier, self._index)
+    # -- queries (contains/keys/take_evicted/stats: IndexedStore) ------------------------------
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}{SUFFIX}"
@@ -105,11 +83,9 @@ class BlockStore:
         payload = memoryview(payload).cast("B")
         size = block_format.stored_size(key, len(payload))
         with self._lock:
-            if key in self._index:
-                return StoreStatus.EXISTS
-            if size > self._index.capacity:
-                self._counters.errors["no_space"] += 1
-                return StoreStatus.NO_SPACE
+            refused = self._refuse(key, size)
+        if refused is not None:
+            return refused
         header = block_format.encode_header(key, self._digest, len(payload))
         trailer = block_format.encode_checksum(header, payload)
         tmp = self.root / _temp_name(key)
@@ -120,8 +96,7 @@ class BlockStore:
             _unlink_quiet(tmp)
             return status
         with self._lock:
-            self._counters.stored_bytes += len(payload)
-            self._counters.store_s += time.perf_counter() - t0
+            self._counters.note_store(len(payload), time.perf_counter() - t0)
         return status
 
     def _write_temp(self, tmp: Path, bufs: tuple[bytes, memoryview, bytes]) -> StoreStatus:
@@ -188,9 +163,7 @@ class BlockStore:
         out = bytes(payload)
         with self._lock:
             self._index.touch(key)
-            self._counters.hits += 1
-            self._counters.loaded_bytes += len(out)
-            self._counters.load_s += time.perf_counter() - t0
+            self._counters.note_hit(len(out), time.perf_counter() - t0)
         return LoadResult(out, None)
 
     def _miss(self, key: str, reason: MissReason, kind: str, *, drop: bool) -> LoadResult:

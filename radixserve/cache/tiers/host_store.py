@@ -13,7 +13,6 @@ outside it.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -26,45 +25,22 @@ from radixserve.cache.tiers.keys import (
     MissReason,
     StoreStatus,
     Tier,
-    TierStats,
 )
-from radixserve.cache.tiers.lru_index import LruIndex, TierCounters
+from radixserve.cache.tiers.lru_index import IndexedStore
 
 
-class HostStore:
+class HostStore(IndexedStore):
     def __init__(self, capacity_bytes: int, fp: Fingerprint, tier: Tier = Tier.LOCAL, *,
                  pin: bool | None = None) -> None:
         if tier is Tier.POOL:
             raise ValueError("a HostStore is a LOCAL or SHARED tier, not the pool")
-        self.tier = tier
+        super().__init__(capacity_bytes, tier)
         self.fp = fp
         self.pinned = torch.cuda.is_available() if pin is None else pin
-        self._lock = threading.Lock()
-        self._index = LruIndex(capacity_bytes)
         self._bufs: dict[str, torch.Tensor] = {}  # key -> (nbytes,) uint8, pinned on CUDA
-        self._counters = TierCounters()
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)  # (nbytes,)
-
-    # -- queries -------------------------------------------------------------------------------
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._index.sizes)
-
-    def take_evicted(self) -> list[str]:
-        """Keys this store evicted (LRU) since the last call."""
-        with self._lock:
-            return self._index.take_evicted()
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.snapshot(self.tier, self._index)
 
     # -- put -----------------------------------------------------------------------------------
 
@@ -86,11 +62,9 @@ class HostStore:
     def _put(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], object]) -> StoreStatus:
         t0 = time.perf_counter()
         with self._lock:
-            if key in self._index:
-                return StoreStatus.EXISTS
-            if nbytes > self._index.capacity:
-                self._counters.errors["no_space"] += 1
-                return StoreStatus.NO_SPACE
+            refused = self._refuse(key, nbytes)
+        if refused is not None:
+            return refused
         try:
             buf = self._alloc(nbytes)
             fill(buf)
@@ -109,8 +83,7 @@ class HostStore:
                 del self._bufs[victim]
             self._bufs[key] = buf
             self._index.add(key, nbytes)
-            self._counters.stored_bytes += nbytes
-            self._counters.store_s += time.perf_counter() - t0
+            self._counters.note_store(nbytes, time.perf_counter() - t0)
         return StoreStatus.STORED
 
     # -- get / delete --------------------------------------------------------------------------
@@ -126,9 +99,7 @@ class HostStore:
                 self._counters.misses += 1
                 return None
             self._index.touch(key)
-            self._counters.hits += 1
-            self._counters.loaded_bytes += buf.numel()
-            self._counters.load_s += time.perf_counter() - t0
+            self._counters.note_hit(buf.numel(), time.perf_counter() - t0)
             return buf
 
     def get(self, key: str) -> LoadResult:
@@ -141,9 +112,7 @@ class HostStore:
             self._index.touch(key)
         data = buf.numpy().tobytes()
         with self._lock:
-            self._counters.hits += 1
-            self._counters.loaded_bytes += len(data)
-            self._counters.load_s += time.perf_counter() - t0
+            self._counters.note_hit(len(data), time.perf_counter() - t0)
         return LoadResult(data, None)
 
     def delete(self, key: str) -> None:

@@ -1,17 +1,19 @@
-"""The bounded LRU index and the counters shared by every tier store.
+"""The bounded LRU index, the counters, and the locked queries shared by every tier store.
 
 Owns: key -> stored size in recency order, the byte total, the list of keys evicted since the
 caller last asked, and the statistics counters. Does not know: where the bytes are (files or
-host memory) nor locking (each store holds its own lock around every call here).
+host memory). LruIndex and TierCounters take no lock; IndexedStore, the stores' base, holds
+the one lock that guards them and answers the queries that only read them.
 
 Invariant (check): bytes_used == sum(sizes) and bytes_used <= capacity after every plan_room.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, OrderedDict
 
-from radixserve.cache.tiers.keys import Tier, TierStats
+from radixserve.cache.tiers.keys import StoreStatus, Tier, TierStats
 
 
 class LruIndex:
@@ -88,6 +90,15 @@ class TierCounters:
         self.misses = 0
         self.errors: Counter[str] = Counter()
 
+    def note_hit(self, nbytes: int, seconds: float) -> None:
+        self.hits += 1
+        self.loaded_bytes += nbytes
+        self.load_s += seconds
+
+    def note_store(self, nbytes: int, seconds: float) -> None:
+        self.stored_bytes += nbytes
+        self.store_s += seconds
+
     def snapshot(self, tier: Tier, index: LruIndex) -> TierStats:
         return TierStats(
             tier=tier, num_blocks=len(index), bytes_used=index.bytes_used,
@@ -96,3 +107,41 @@ class TierCounters:
             store_seconds_total=self.store_s, hits=self.hits, misses=self.misses,
             errors=dict(self.errors),
         )
+
+
+class IndexedStore:
+    """The part of a tier store that is only its index: one lock, the LRU, the counters."""
+
+    def __init__(self, capacity_bytes: int, tier: Tier) -> None:
+        self.tier = tier
+        self._lock = threading.Lock()  # guards _index and _counters (and a subclass's maps)
+        self._index = LruIndex(capacity_bytes)
+        self._counters = TierCounters()
+
+    def _refuse(self, key: str, size: int) -> StoreStatus | None:
+        """Why a put of `size` bytes under `key` ends before any work (counted); None: go on.
+        The caller holds the lock."""
+        if key in self._index:
+            return StoreStatus.EXISTS
+        if size > self._index.capacity:
+            self._counters.errors["no_space"] += 1
+            return StoreStatus.NO_SPACE
+        return None
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index.sizes)
+
+    def take_evicted(self) -> list[str]:
+        """Keys that left the index by LRU eviction (or, in a BlockStore, because their file
+        vanished) since the last call; not those removed by delete() or a failed get()."""
+        with self._lock:
+            return self._index.take_evicted()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return self._counters.snapshot(self.tier, self._index)
