@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -206,18 +207,25 @@ class KVEventsConfig:
             raise ConfigError(f"kv-events-config: topic must be a string, got {self.topic!r}")
 
 
+def json_object_from(value: object, what: str) -> Mapping[str, Any]:
+    """A config flag's value as a mapping: the mapping itself, or its JSON text parsed (vLLM's
+    JSON-valued flags and the offline API's dicts). Raises ConfigError naming `what`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{what} is not valid JSON: {err}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} must be a JSON object")
+    return value
+
+
 def kv_events_config_from(value: object, what: str = "kv_events_config") -> KVEventsConfig:
     """A KVEventsConfig from itself, a dict of vLLM's keys, or their JSON; raises
     ConfigError naming `what` for anything else."""
     if isinstance(value, KVEventsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{what} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{what} must be a JSON object")
+    value = json_object_from(value, what)
     unknown = sorted(set(value) - {f.name for f in fields(KVEventsConfig)})
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {', '.join(map(str, unknown))}")

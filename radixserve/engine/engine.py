@@ -135,8 +135,7 @@ class Engine:
             result = self.runner.run(batch)
             self._note_step(batch, time.perf_counter() - t0)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
-            self.scheduler.spec.observe_step(batch, sum(o.token_id is not None for o in outputs),
-                                             time.perf_counter() - t0)
+            self.scheduler.spec.observe_step(batch, outputs, time.perf_counter() - t0)
         if self._pin_prefills:
             outputs = [o for o in outputs if not self._pin_prefill_done(o)]
         return outputs

@@ -24,7 +24,7 @@ from radixserve.sched.req import Batch, Req
 from radixserve.spec.acceptance import DraftGate, accept_prefix
 from radixserve.spec.config import SpeculativeConfig
 from radixserve.spec.drafter import Drafter, DraftRequest
-from radixserve.types import Phase
+from radixserve.types import Phase, TokenOutput
 
 
 class Speculation:
@@ -106,11 +106,13 @@ class Speculation:
         if req.spec is not None and req.num_output_tokens:
             self.drafter.on_finish(req.cache_salt, req.output_ids)
 
-    def observe_step(self, batch: Batch, num_output_tokens: int, seconds: float) -> None:
+    def observe_step(self, batch: Batch, outputs: Sequence[TokenOutput], seconds: float) -> None:
         """A decode step's output tokens and duration, for the gate (other steps include
-        prefill work and say nothing about drafting)."""
+        prefill work and say nothing about drafting). Counted only for a batch that can
+        draft: without speculation a step pays no more than this check."""
         if batch.phase is Phase.DECODE and any(r.spec is not None for r in batch.reqs):
-            self.gate.observe(batch.size, batch.has_drafts, num_output_tokens, seconds)
+            num_tokens = sum(o.token_id is not None for o in outputs)
+            self.gate.observe(batch.size, batch.has_drafts, num_tokens, seconds)
 
     def stats(self) -> dict[str, float]:
         c = self.counters

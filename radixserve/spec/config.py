@@ -8,12 +8,11 @@ tree's continuations).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from radixserve.config import ConfigError
+from radixserve.config import ConfigError, json_object_from
 
 METHODS = ("ngram", "radix", "auto")
 MAX_SPECULATIVE_TOKENS = 16
@@ -62,13 +61,7 @@ class SpeculativeConfig:
         """From the flag's JSON text or the offline API's dict. Raises ConfigError."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"speculative_config is not valid JSON: {err}") from None
-        if not isinstance(value, Mapping):
-            raise ConfigError("speculative_config must be a JSON object")
+        value = json_object_from(value, "speculative_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
