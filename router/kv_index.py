@@ -177,7 +177,7 @@ class PreciseIndex:
         st.num_batches += 1
 
 
-def _split_sse(buf: bytearray) -> list[bytes]:
+def split_sse(buf: bytearray) -> list[bytes]:
     """Pop every complete event's data payload (its `data:` lines joined) from `buf`."""
     payloads = []
     while (end := buf.find(b"\n\n")) >= 0:
@@ -217,7 +217,7 @@ async def follow_kv_events(
                 buf = bytearray()
                 async for chunk in resp.content.iter_any():
                     buf += chunk
-                    for payload in _split_sse(buf):
+                    for payload in split_sse(buf):
                         index.apply(url, decode_batch(payload))
                     if len(buf) > MAX_SSE_EVENT_BYTES:
                         raise KVEventDecodeError("kv event larger than the limit")

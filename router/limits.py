@@ -33,10 +33,10 @@ from aiohttp import web
 from radixserve.api.keys import KeyLimits, digest_key, load_keys_file
 from radixserve.api.ratelimit import RateLimiter
 from radixserve.config import ConfigError
+from router.stream_state import COMPLETIONS_DEFAULT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CONCURRENCY_RETRY_AFTER_S = 1
 
 

@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.kv_index import split_sse
 from router.stream_state import StreamState
 from router.workers import Worker, WorkerPool
 
@@ -45,20 +46,6 @@ Reopen = Callable[[bytes, set[str]], Awaitable[Upstream | None]]
 class Failure(NamedTuple):
     message: str
     client_gone: bool = False
-
-
-def _sse_payloads(buf: bytearray) -> list[bytes]:
-    """Pop each complete event's data (its `data:` lines joined) from `buf`."""
-    out: list[bytes] = []
-    while True:
-        end = buf.find(b"\n\n")
-        if end < 0:
-            return out
-        lines = bytes(buf[:end]).split(b"\n")
-        del buf[: end + 2]
-        data = [ln[5:].lstrip(b" ") for ln in lines if ln.startswith(b"data:")]
-        if data:
-            out.append(b"\n".join(data))
 
 
 def _is_fault_event(payload: bytes) -> bool | None:
@@ -89,7 +76,7 @@ async def _pump(response: aiohttp.ClientResponse, out: web.StreamResponse,
         if not chunk:
             return Failure("stream ended without [DONE]")
         buf += chunk
-        for payload in _sse_payloads(buf):
+        for payload in split_sse(buf):
             if payload == b"[DONE]":
                 return None
             fault = _is_fault_event(payload)

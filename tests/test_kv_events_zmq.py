@@ -35,6 +35,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # --- vLLM's schema, as a consumer (llm-d, Dynamo) declares it -------------------------------
+# Written here from vLLM's published schema, on purpose not imported from
+# radixserve.kv_events_zmq (whose Wire* structs look the same): an independent decoder is
+# what catches a drift in field order, tags or array layout on our side.
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     """Base class for all KV cache-related events"""

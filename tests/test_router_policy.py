@@ -18,7 +18,7 @@ from radixserve.kv_events import (
 )
 from radixserve.testing.fake_replica import ByteEncoder
 from router.config import ConfigError, PolicyName, RouterConfig, normalize_worker_url
-from router.kv_index import PreciseIndex, _split_sse
+from router.kv_index import PreciseIndex, split_sse
 from router.policy import (
     CacheAwarePolicy,
     Candidate,
@@ -223,7 +223,7 @@ def test_precise_index_applies_events_and_pending() -> None:
 
 def test_split_sse_frames() -> None:
     buf = bytearray(b'data: {"a":1}\n\n: keepalive\n\ndata: x\ndata: y\n\ndata: part')
-    assert _split_sse(buf) == [b'{"a":1}', b"x\ny"]
+    assert split_sse(buf) == [b'{"a":1}', b"x\ny"]
     assert bytes(buf) == b"data: part"
 
 

@@ -11,6 +11,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixserve.cli import build_config, build_parser
 from radixserve.config import KVEventsConfig
 from radixserve.kv_events import decode_batch
 from radixserve.server.routes.kv_events import KV_EVENTS_PUBLISHER_KEY
@@ -62,6 +63,13 @@ async def test_metrics_compat_vllm_live_values(model_dir: Path) -> None:
         await wait_until(idle_again, what="gauges back to 0")
         text = await (await tc.get("/metrics")).text()
         assert 'vllm:num_requests_running{engine="0",model_name="' in text
+
+
+def test_metrics_compat_flag_as_the_issue_writes_it() -> None:
+    cfg = build_config(build_parser().parse_args(["serve", "--metrics-compat", "vllm"]), {})
+    assert cfg.metrics_compat == "vllm"
+    with pytest.raises(SystemExit):  # argparse's choices: an unknown engine is refused
+        build_parser().parse_args(["serve", "--metrics-compat", "sglang"])
 
 
 async def test_no_change_without_the_flags(model_dir: Path) -> None:
