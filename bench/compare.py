@@ -37,7 +37,14 @@ from typing import IO, Any
 
 from bench.metrics import BenchSummary
 from bench.proc_cpu import group_cpu_seconds
-from bench.serving import BenchError, BenchRun, add_client_args, client_config, run_benchmark
+from bench.serving import (
+    BenchError,
+    BenchRun,
+    add_client_args,
+    client_config,
+    run_benchmark,
+    run_cli,
+)
 from bench.serving import write_json as _write_json
 from bench.workloads import Workload, add_workload_args, build_workload, spec_from_args
 
@@ -384,11 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
-    try:
-        return _main(args)
-    except BenchError as e:
-        print(f"error: {e}")
-        return 2
+    return run_cli(_main, args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,15 @@ def write_json(path: Path, record: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     return path
+
+
+def run_cli(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """A bench entry point's exit code: body's own, or 2 after printing a BenchError."""
+    try:
+        return body(args)
+    except BenchError as e:
+        print(f"error: {e}")
+        return 2
 
 
 def _main(args: argparse.Namespace) -> int:

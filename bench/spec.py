@@ -31,7 +31,7 @@ import aiohttp
 from bench import spec_workloads as w
 from bench.compare import ServerProcess, SystemSpec
 from bench.metrics import parse_prometheus
-from bench.serving import BenchError, write_json
+from bench.serving import BenchError, run_cli, write_json
 
 OFF, ON = "off", "spec"
 DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -290,11 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.section) - set(SECTIONS)
     if unknown or args.runs < 1:
         p.error(f"unknown sections {sorted(unknown)}" if unknown else "--runs must be >= 1")
-    try:
-        return _main(args)
-    except BenchError as e:
-        print(f"error: {e}")
-        return 2
+    return run_cli(_main, args)
 
 
 if __name__ == "__main__":

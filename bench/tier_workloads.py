@@ -19,7 +19,7 @@ the pool (zipf popularity), so documents come back after being evicted.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from bench.client import ClientConfig, send_request
 from bench.metrics import RequestResult
-from bench.workloads import PiecePool, RagSpec, Workload, WorkloadError, build_workload
+from bench.workloads import PiecePool, RagSpec, Workload, WorkloadError, _positive, build_workload
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,8 @@ class AgentSpec:
     stagger_s: float = 0.25  # session i starts at i * stagger_s
 
     def __post_init__(self) -> None:
-        for name in ("num_sessions", "num_turns", "system_prompt_len", "user_len",
-                     "tool_call_len", "tool_result_len", "output_len"):
-            if getattr(self, name) < 1:
-                raise WorkloadError(f"{name} must be >= 1")
+        _positive(**{k: v for k, v in asdict(self).items()
+                     if k not in ("think_time_s", "stagger_s")})
         if self.think_time_s < 0 or self.stagger_s < 0:
             raise WorkloadError("think_time_s and stagger_s must be >= 0")
 

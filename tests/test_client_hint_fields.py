@@ -88,8 +88,12 @@ async def test_openai_sdk_sends_both_on_every_route(model_dir: Path) -> None:
 
 def test_prompt_cache_key_is_kept_in_the_request_options() -> None:
     from radixserve.api.protocol import parse_chat, parse_completion
+    from radixserve.api.responses import to_chat_body
 
     chat = parse_chat({**ROUTES["/v1/chat/completions"], **FIELDS})
     comp = parse_completion({**ROUTES["/v1/completions"], **FIELDS})
     assert chat.opts.prompt_cache_key == comp.opts.prompt_cache_key == FIELDS["prompt_cache_key"]
+    # /v1/responses hands prompt_cache_key on to the chat body it becomes.
+    resp = parse_chat(to_chat_body({**ROUTES["/v1/responses"], **FIELDS})[0])
+    assert resp.opts.prompt_cache_key == FIELDS["prompt_cache_key"]
     assert parse_chat(ROUTES["/v1/chat/completions"]).opts.prompt_cache_key is None

@@ -233,14 +233,13 @@ def test_readme_responses_example_runs_as_written(client: openai.OpenAI) -> None
     jsonschema.validate(json.loads(scope["r"].output_text), scope["person"])
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-async def test_openai_agents_sdk_runs_a_tool_loop(client: openai.OpenAI, streamed: bool) -> None:
-    """The OpenAI Agents SDK (its default model class calls /v1/responses): the model calls
-    the tool, the SDK runs it and sends the result back, the model answers."""
+def weather_agent(client: openai.OpenAI, seen: list[str], settings: Any, **agent_kwargs: Any
+                  ) -> tuple[openai.AsyncOpenAI, Any]:
+    """An Agents SDK agent with one `get_weather` tool (it appends each city to `seen`) on
+    the server's /v1/responses; the caller closes the returned async client."""
     import agents  # openai-agents, a test dependency (pyproject.toml)
 
     agents.set_tracing_disabled(True)  # no export to OpenAI's tracing service
-    seen: list[str] = []
 
     def get_weather(city: str) -> str:
         """Get the current weather in a city."""
@@ -252,8 +251,21 @@ async def test_openai_agents_sdk_runs_a_tool_loop(client: openai.OpenAI, streame
         name="weather", instructions="Answer weather questions with the tool.",
         tools=[agents.function_tool(get_weather)],
         model=agents.OpenAIResponsesModel(model=MODEL, openai_client=sdk),
-        model_settings=agents.ModelSettings(temperature=0, max_tokens=80, tool_choice="required",
-                                            parallel_tool_calls=False),
+        model_settings=settings, **agent_kwargs)
+    return sdk, agent
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_openai_agents_sdk_runs_a_tool_loop(client: openai.OpenAI, streamed: bool) -> None:
+    """The OpenAI Agents SDK (its default model class calls /v1/responses): the model calls
+    the tool, the SDK runs it and sends the result back, the model answers."""
+    import agents
+
+    seen: list[str] = []
+    sdk, agent = weather_agent(
+        client, seen,
+        agents.ModelSettings(temperature=0, max_tokens=80, tool_choice="required",
+                             parallel_tool_calls=False),
         reset_tool_choice=True)  # after the call, the model may answer in text
     question = "What is the weather like in Paris?"
     if streamed:

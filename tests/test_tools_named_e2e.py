@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.server_proc import running_server
-from tests.test_tools_e2e import MODEL, SCHEMAS, TOOLS
+from tests.test_tools_e2e import MODEL, SCHEMAS, TOOLS, weather_agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 MAX_TOKENS = 160  # room for three calls: a repeat would show as a second call or a cut-off
@@ -124,21 +124,10 @@ async def test_agents_sdk_named_tool_choice_runs_the_tool_once(client: openai.Op
     default), stopping at the first tool turn: that turn is one call, so the tool runs once."""
     import agents
 
-    agents.set_tracing_disabled(True)
     seen: list[str] = []
-
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city."""
-        seen.append(city)
-        return json.dumps({"city": city, "temperature": 21, "sky": "sunny"})
-
-    sdk = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
-    agent = agents.Agent(
-        name="weather", instructions="Answer weather questions with the tool.",
-        tools=[agents.function_tool(get_weather)],
-        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=sdk),
-        model_settings=agents.ModelSettings(temperature=0, max_tokens=MAX_TOKENS,
-                                            tool_choice="get_weather"),
+    sdk, agent = weather_agent(
+        client, seen,
+        agents.ModelSettings(temperature=0, max_tokens=MAX_TOKENS, tool_choice="get_weather"),
         tool_use_behavior="stop_on_first_tool")
     result = await agents.Runner.run(agent, "What is the weather like in Paris?", max_turns=2)
     await sdk.close()

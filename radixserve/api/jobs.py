@@ -21,7 +21,12 @@ from typing import Any, TypeVar
 
 from radixserve.api.errors import APIError
 from radixserve.api.keys import KeyLimits
-from radixserve.api.lengths import check_token_ids, choice_seed, context_length_message
+from radixserve.api.lengths import (
+    check_token_ids,
+    choice_seed,
+    context_length_message,
+    prompt_too_long_message,
+)
 from radixserve.api.protocol import RequestOptions
 from radixserve.types import SamplingParams
 
@@ -66,8 +71,7 @@ def finalize_params(caps: JobCaps, params: SamplingParams, prompt_len: int, para
                             f"{max_input}", param=param, code="input_too_long")
     room = limit - prompt_len
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
-                            f"the prompt has {prompt_len} tokens.", param=param,
+        raise APIError(400, prompt_too_long_message(limit, prompt_len), param=param,
                        code="context_length_exceeded")
     if params.max_tokens is None:
         return dataclasses.replace(params, max_tokens=room if cap is None else min(room, cap))

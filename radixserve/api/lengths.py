@@ -2,7 +2,7 @@
 the scheduler (radixserve/sched/request_rules.py) and the offline LLM call these, so each
 rule is written once.
 
-Owns: the context-length message, the test that token ids index the vocabulary (with the
+Owns: the context-length messages, the test that token ids index the vocabulary (with the
 server's wording and the engine's), and the seed of choice i of a seeded request (seed + i,
 wrapped into int64). Does not know: HTTP, tensors, caps per API key (jobs.py), queues.
 """
@@ -21,6 +21,12 @@ def context_length_message(max_model_len: int, prompt_len: int, max_tokens: int)
     return (f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} in the completion).")
+
+
+def prompt_too_long_message(max_model_len: int, prompt_len: int) -> str:
+    """Why a prompt leaves no room for even one completion token (OpenAI's wording)."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"prompt has {prompt_len} tokens.")
 
 
 def first_outside_vocab(ids: Iterable[int], vocab_size: int) -> int | None:

@@ -4,8 +4,9 @@ Owns: compiling csrc/paged_decode.cpp and csrc/prefill_attention*.cpp into one e
 torch's C++ extension loader (once per source version and machine, cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a first build is logged with its
 duration), the resulting ops `torch.ops.radixserve.paged_decode` and
-`torch.ops.radixserve.prefill_attention`, and `paged_decode_reference` / `prefill_attention_reference`, the same computations in plain
-torch (the kernels' specifications, and what tests compare them with). Does not know:
+`torch.ops.radixserve.prefill_attention`, and `paged_decode_reference` /
+`prefill_attention_reference`, the same computations in plain torch (the kernels'
+specifications, and what tests compare them with). Does not know:
 metadata, plans, the cascade (the torch backend and varlen.py decide when a kernel applies).
 
 If the build fails (no compiler, no ninja, an unusual platform), the loaders return None and
