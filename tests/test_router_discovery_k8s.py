@@ -139,7 +139,9 @@ async def test_k8s_discovery_lifecycle() -> None:
             assert router.split.group_of(urls[2]) == "canary"
     finally:
         await runner.cleanup()
-        assert source.join(10), "the watch thread did not stop"
+        # Joined off the loop: the fake API serves on this loop, and a watch thread waiting
+        # for its answer (a list, a watch's headers) needs it running to see the stop.
+        assert await asyncio.to_thread(source.join, 10), "the watch thread did not stop"
         await api.stop()
         for r in replicas:
             await r.stop()

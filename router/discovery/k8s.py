@@ -215,6 +215,9 @@ class K8sDiscovery:
                               resource_version=resource_version, timeout_seconds=timeout,
                               allow_watch_bookmarks=True, _request_timeout=(5, timeout + 15))
             for event in stream:
+                if self._stop.is_set():  # stop() raced the request: no socket to shut yet
+                    w.stop()
+                    break
                 kind = event["type"]
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     self._post(self._update, kind, pod_info(event["object"],
