@@ -66,3 +66,33 @@ def test_system_flags_and_report(tmp_path: Path) -> None:
     text = report("agent", {"off": row, "on": {**row, "TTFT p90 s": 1.0, "hit rate": 0.45},
                             "infinite": row}, 1)
     assert "TTFT p90 off/on: 4.00x" in text and "hit rate on/infinite: 0.90x" in text
+
+
+def test_tier_restart_flags_and_stats() -> None:
+    from bench.metrics import RequestResult
+    from bench.tier_restart import TurnStats, parse_args, report, server_argv, turn_stats
+    from bench.tier_workloads import Session
+
+    args = parse_args(["--kv-cache-tokens", "1024", "--radixserve-args", "--max-model-len 512"])
+    argv = server_argv(args, "--kv-offload-dir", "/d")
+    assert argv[-6:] == ("--kv-cache-tokens", "1024", "--max-model-len", "512",
+                         "--kv-offload-dir", "/d")
+    with pytest.raises(SystemExit):
+        parse_args(["--turns", "1"])
+    sessions = [Session(("a", "ab"), (100, 200)), Session(("c", "cd"), (50, 80))]
+
+    def res(cached: int, text: str, ttft: float, ok: bool = True) -> RequestResult:
+        return RequestResult(ok=ok, send_time=0.0, prompt_len=0, expected_output_len=4,
+                             cached_tokens=cached, chunk_times=[ttft], text=text)
+
+    cold = [res(0, "x", 2.0), res(0, "y", 4.0)]
+    warm = [res(96, "x", 0.5), res(48, "z", 1.0)]
+    s = turn_stats(warm, sessions, cold)
+    assert (s.cached_frac_min, s.cached_frac_median) == (0.96, 0.96)
+    assert (s.same_text, s.failed, s.ttft_p90) == (1, 0, 1.0)
+    failed = turn_stats([res(0, "", 0.1, ok=False), warm[1]], sessions, cold)
+    assert (failed.failed, failed.same_text) == (1, 0)
+    table = report([{"cold": turn_stats(cold, sessions, None), "restart": s, "replica": s}], 2)
+    assert "| restart | 0.5 | 1 | 0.960 | 0.960 | 1/2 | 0 |" in table
+    assert "TTFT p50 cold/restart: 4.00x" in table
+    assert isinstance(s, TurnStats)

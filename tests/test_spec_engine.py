@@ -32,9 +32,10 @@ def make(model: Path, spec: dict[str, Any] | None, **kw: Any) -> LLM:
     return LLM(str(model), dtype="float32", speculative_config=spec, **kw)
 
 
-def run(llm: LLM, msgs: list[GenerateMsg], check_every_step: bool = False
-        ) -> dict[str, list[TokenOutput]]:
-    """Step the engine until every message finished; the slot accounting after each step."""
+def run(llm: LLM, msgs: list[GenerateMsg], check_every_step: bool = False,
+        finished: list[str] | None = None) -> dict[str, list[TokenOutput]]:
+    """Step the engine until every message finished; the slot accounting after each step.
+    `finished`: filled with the request ids in the order they finished."""
     engine = llm.engine
     outs: dict[str, list[TokenOutput]] = {m.rid: [] for m in msgs}
     for m in msgs:
@@ -43,6 +44,8 @@ def run(llm: LLM, msgs: list[GenerateMsg], check_every_step: bool = False
         for o in engine.step():
             if o.rid in outs:
                 outs[o.rid].append(o)
+                if o.finish_reason is not None and finished is not None:
+                    finished.append(o.rid)
         if check_every_step:
             engine.check_integrity()
     engine.check_integrity()
@@ -241,7 +244,14 @@ def test_preemption_priorities_and_pins(tiny_llama: Path) -> None:
     while engine.has_work():
         engine.step()
     assert engine.drain_replies()[0].result is not None
-    assert tokens(run(llm, msgs(), check_every_step=True)) == base
+    finished: list[str] = []
+    outs = run(llm, msgs(), check_every_step=True, finished=finished)
+    assert tokens(outs) == base
+    # Priorities order it: with room for about one request at a time, every important one
+    # (priority 0) finishes before any of the least important (2).
+    rank = {rid: i for i, rid in enumerate(finished)}
+    by_prio = {p: [rank[m.rid] for m in msgs() if m.priority == p] for p in (0, 2)}
+    assert max(by_prio[0]) < min(by_prio[2]), by_prio
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_drafts"] > 0
     assert stats["num_pins"] == 1

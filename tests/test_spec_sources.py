@@ -187,3 +187,19 @@ def test_gate_keeps_the_faster_arm_and_probes_the_other() -> None:
         drafted = gate.allow(1)
         gate.observe(1, drafted, 3 if drafted else 1, 0.01)
     assert sum(gate.allow(1) for _ in range(PROBE_EVERY * 2)) == PROBE_EVERY * 2 - 2
+
+
+def test_spec_state_converts_only_the_appended_tail() -> None:
+    from radixserve.spec.acceptance import DraftLength
+    from radixserve.spec.drafter import SpecState
+
+    state = SpecState(DraftLength(4))
+    ids = list(range(300))
+    assert state.tokens(ids).tolist() == ids
+    buf = state._buf
+    ids += [7, 8, 9]
+    assert state.tokens(ids).tolist() == ids and state._buf is buf  # appended in place
+    ids = ids + list(range(1000))
+    assert state.tokens(ids).tolist() == ids  # grown
+    assert state.tokens([5, 6]).tolist() == [5, 6]  # shorter: converted again
+    assert state.tokens([1, 7, 3]).tolist() == [1, 7, 3]  # its last token differs: again

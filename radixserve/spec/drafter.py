@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.grammar.backend import Matcher
 from radixserve.spec import prediction as pred
@@ -37,6 +39,24 @@ class SpecState:
     num_accepted: int = 0  # of them, accepted
     num_steps: int = 0  # verification steps (a step with a draft)
     last_draft: list[int] = field(default_factory=list)
+    # The request's tokens as int32, converted as they are appended (not O(len) a step).
+    _buf: TokenArray = field(default_factory=lambda: np.empty(0, np.int32))
+    _len: int = 0
+
+    def tokens(self, token_ids: Sequence[int]) -> TokenArray:
+        """`token_ids` as an int32 array (a view, valid until the next call). A request's
+        tokens only grow, so only the tail appended since the last call is converted."""
+        n = len(token_ids)
+        if n < self._len or (self._len and token_ids[self._len - 1] != self._buf[self._len - 1]):
+            self._len = 0  # not an extension of what we saw: convert again
+        if n > len(self._buf):
+            grown = np.empty(max(2 * n, 256), np.int32)  # (capacity,): room to append
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        if n > self._len:
+            self._buf[self._len : n] = token_ids[self._len : n]
+            self._len = n
+        return self._buf[:n]
 
 
 @dataclass(frozen=True)
@@ -94,14 +114,14 @@ class Drafter:
         out: list[list[int]] = []
         tokens: TokenArray | None = None
         if state.prediction is not None:
-            tokens = as_tokens(req.token_ids)
+            tokens = state.tokens(req.token_ids)
             out.append(self._from_prediction(state, tokens[req.num_prompt_tokens :], k))
         method = self.cfg.method if self.cfg is not None else None
         if method in ("radix", "auto"):
             out.append(tree_continuation(self.cache, req.token_ids, req.salt, k))
         if method is None or (out and len(out[-1]) >= k):
             return out
-        tokens = as_tokens(req.token_ids) if tokens is None else tokens
+        tokens = state.tokens(req.token_ids) if tokens is None else tokens
         cfg = self.cfg
         assert cfg is not None
         if method in ("ngram", "auto"):
