@@ -67,6 +67,24 @@ def test_a_bad_block_is_a_counted_miss(tiny_llama: Path, tmp_path: Path, batch: 
     llm.close()
 
 
+def test_a_bad_local_block_is_read_from_the_shared_tier(
+        tiny_llama: Path, tmp_path: Path, batch: list[list[int]],
+        reference: list[list[int]]) -> None:
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    with make_llm(tiny_llama, kv_offload_dir=local, kv_shared_dir=shared) as warm:
+        run(warm, batch)
+    llm = make_llm(tiny_llama, kv_offload_dir=local, kv_shared_dir=shared)
+    path = block_file(llm, local, batch[0], 3)
+    data = path.read_bytes()
+    path.write_bytes(data[:100] + bytes([data[100] ^ 0x55]) + data[101:])
+    outs, cached = run(llm, batch)
+    assert outs == reference
+    assert cached[0] >= 12 * BLOCK  # the bad local block came from the shared tier
+    stats = llm.kv_stats()["kv_offload"]
+    assert stats["errors"].get("corrupt", 0) >= 1, stats
+    llm.close()
+
+
 def test_a_file_deleted_between_match_and_load(tiny_llama: Path, tmp_path: Path,
                                                batch: list[list[int]],
                                                reference: list[list[int]]) -> None:

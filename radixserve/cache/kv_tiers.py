@@ -38,7 +38,15 @@ from radixserve.cache.tier_io import (
     TierWriter,
 )
 from radixserve.cache.tier_layers import LayeredStore
-from radixserve.cache.tiers import BlockStore, Fingerprint, HostStore, StoreStatus, Tier, block_key
+from radixserve.cache.tiers import (
+    BlockStore,
+    Fingerprint,
+    HostStore,
+    MissReason,
+    StoreStatus,
+    Tier,
+    block_key,
+)
 from radixserve.kv_events import (
     MEDIUM_LOCAL_DISK,
     MEDIUM_SHARED,
@@ -231,8 +239,9 @@ class KVTiers:
         self.load_rate.add(done.bytes, done.seconds)
         for tier, n in done.tokens_by_tier.items():
             self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n
-        if done.miss is not None and done.miss.value != "absent":
-            self._count_error(done.miss.value)
+        for miss in [*(m for m, _ in done.recovered), done.miss]:
+            if miss is not None and miss is not MissReason.ABSENT:
+                self._count_error(miss.value)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         self.prefill_rate.add(num_tokens, seconds)

@@ -194,6 +194,8 @@ class LoadDone:
     tokens_by_tier: dict[Tier, int] = field(default_factory=dict)
     miss: MissReason | None = None  # why it stopped early (None: every block loaded)
     miss_tier: Tier | None = None
+    # Misses another tier made good (a corrupt local block read from the shared tier).
+    recovered: list[tuple[MissReason, Tier]] = field(default_factory=list)
 
 
 class TierLoader:
@@ -228,21 +230,40 @@ class TierLoader:
 
     def _read_all(self, reads: list[BlockRead], done: LoadDone) -> None:
         for read in reads:
-            block = self._pending(read.tier, read.key)
-            if block is not None:
-                data: bytes | memoryview = KVCodec.payload(block)
-            else:
-                result = self._stores[read.tier].get(read.key)
-                if result.data is None:
-                    done.miss, done.miss_tier = result.miss or MissReason.ABSENT, read.tier
-                    return
-                data = result.data
-            if len(data) != self._codec.block_bytes:
-                done.miss, done.miss_tier = MissReason.CORRUPT, read.tier  # another layout
+            got = self._fetch(read.key, read.tier, done)
+            if got is None:
                 return
+            data, tier = got
             self._codec.write(data, read.slots, read.skip)
             n = len(read.slots)
             done.num_blocks += 1
             done.num_tokens += n
             done.bytes += len(data)
-            done.tokens_by_tier[read.tier] = done.tokens_by_tier.get(read.tier, 0) + n
+            done.tokens_by_tier[tier] = done.tokens_by_tier.get(tier, 0) + n
+
+    def _fetch(self, key: str, tier: Tier, done: LoadDone
+               ) -> tuple[bytes | memoryview, Tier] | None:
+        """The block's payload from `tier`, else from another tier that holds it (a bad
+        local copy is not the end when the shared tier has a good one); None: a miss."""
+        first: tuple[MissReason, Tier] | None = None
+        for t in (tier, *(o for o in self._stores if o != tier)):
+            block = self._pending(t, key)
+            if block is not None:
+                data: bytes | memoryview = KVCodec.payload(block)
+            elif t == tier or self._stores[t].contains(key):
+                result = self._stores[t].get(key)
+                if result.data is None:
+                    first = first or (result.miss or MissReason.ABSENT, t)
+                    continue
+                data = result.data
+            else:
+                continue
+            if len(data) != self._codec.block_bytes:
+                first = first or (MissReason.CORRUPT, t)  # another layout
+                continue
+            if first is not None:
+                done.recovered.append(first)
+            return data, t
+        assert first is not None
+        done.miss, done.miss_tier = first
+        return None
