@@ -24,16 +24,34 @@ def pool_medium(device: torch.device) -> str:
     return MEDIUM_GPU if device.type == "cuda" else MEDIUM_CPU
 
 
+SAMPLE_HEAD = 1 << 20  # a weight file's first MiB: the safetensors/GGUF header and more
+SAMPLE_CHUNK = 64 << 10  # then this much at SAMPLE_POINTS evenly spaced offsets
+SAMPLE_POINTS = 16
+
+
+def weights_sample_digest(path: Path, h: xxhash.xxh64) -> None:
+    """Feed `h` a weight file's name, size and sampled bytes. A fine-tune of the same shapes
+    has the same names and sizes but other bytes everywhere, so a sample tells them apart
+    without reading gigabytes at start-up."""
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size};".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(SAMPLE_HEAD))
+        for i in range(1, SAMPLE_POINTS + 1):
+            f.seek(max(0, size * i // SAMPLE_POINTS - SAMPLE_CHUNK))
+            h.update(f.read(SAMPLE_CHUNK))
+
+
 def model_identity(name: str, hf_dir: Path) -> str:
-    """The model's name plus a digest of its config and weight files (names and sizes): two
-    models with one name but other weights never share blocks."""
+    """The model's name plus a digest of its config and weight files: two models with one
+    name but other weights (a fine-tune with the same shapes) never share blocks."""
     h = xxhash.xxh64()
     config = hf_dir / "config.json"
     if config.is_file():
         h.update(config.read_bytes())
     for path in sorted(hf_dir.iterdir()):
-        if path.suffix in (".safetensors", ".gguf", ".bin"):
-            h.update(f"{path.name}:{path.stat().st_size};".encode())
+        if path.suffix in (".safetensors", ".gguf", ".bin") and path.is_file():
+            weights_sample_digest(path, h)
     return f"{name}#{h.hexdigest()}"
 
 
