@@ -15,7 +15,7 @@ from radixserve.cache.kv_tiers import KVTiers, TierSettings, fingerprint
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.radix_types import Demotion
 from radixserve.cache.tier_io import BLOCK, KVCodec
-from radixserve.cache.tiers import Tier, block_key
+from radixserve.cache.tiers import MissReason, StoreStatus, Tier, block_key
 from radixserve.kv_events import BlockStored, block_hashes
 from radixserve.server.metrics import ServerMetrics
 
@@ -121,21 +121,61 @@ def test_write_through_publishes_to_shared_and_a_corrupt_block_is_a_miss(tmp_pat
     keys = [block_key(h, fp) for h in block_hashes(tokens, BLOCK)]
     for tier in (Tier.LOCAL, Tier.SHARED):
         assert sorted(tiers.stores[tier].keys()) == sorted(keys)
-    # Corrupt block 1 in the local tier: the load takes block 0 and stops there.
-    path = tmp_path / "local" / f"{keys[1]}.kvb"
+    # Corrupt block 1 in the local tier: the shared tier's good copy makes it good.
+    flip_byte(tmp_path / "local" / f"{keys[1]}.kvb")
+    hit = tiers.probe(tokens + [0], "", 0)
+    assert hit is not None and hit.num_tokens == 32
+    done = tiers.load(hit, list(range(200, 232))).result()
+    assert (done.num_blocks, done.num_tokens, done.miss) == (2, 32, None)
+    assert done.recovered == [(MissReason.CORRUPT, Tier.LOCAL)]
+    assert done.tokens_by_tier == {Tier.LOCAL: 16, Tier.SHARED: 16}
+    assert torch.equal(k[:, 200:232], k[:, 0:32])
+    tiers.record_load(done)
+    assert tiers.stats()["errors"].get("corrupt", 0) == 1  # the local miss still counts
+    # The bad local copy is gone; corrupt the shared one too: the load takes block 0 and
+    # stops there.
+    flip_byte(tmp_path / "shared" / f"{keys[1]}.kvb")
+    hit = tiers.probe(tokens + [0], "", 0)
+    assert hit is not None and hit.tiers == (Tier.LOCAL, Tier.SHARED)
+    before = k[:, 100:132].clone()
+    done = tiers.load(hit, list(range(100, 132))).result()
+    assert (done.num_blocks, done.num_tokens, done.miss) == (1, 16, MissReason.CORRUPT)
+    assert done.miss_tier == Tier.SHARED
+    assert torch.equal(k[:, 100:116], k[:, 0:16])
+    assert torch.equal(k[:, 116:132], before[:, 16:])  # the bad block wrote nothing
+    tiers.record_load(done)
+    assert tiers.stats()["errors"].get("corrupt", 0) == 2
+    tiers.close()
+
+
+def test_a_payload_of_another_size_is_read_from_the_other_tier_and_counted_once(
+        tmp_path: Path) -> None:
+    """A well-formed file whose payload has the wrong size (another layout): the store
+    cannot tell, the loader can; the other tier's copy loads and the error counts once."""
+    tiers, k, _ = make_tiers(tmp_path, policy="write_through")
+    tokens = list(range(1, 17))
+    RadixCache(tiers=tiers).insert(tokens, list(range(16)))
+    assert tiers.writer.flush()
+    tiers.sync()
+    key = block_key(block_hashes(tokens, BLOCK)[0], tiers.fp)
+    local = tiers.stores[Tier.LOCAL]
+    local.delete(key)
+    assert local.put(key, b"\0" * 64) is StoreStatus.STORED
+    hit = tiers.probe(tokens + [0], "", 0)
+    assert hit is not None and hit.tiers == (Tier.LOCAL,)
+    done = tiers.load(hit, list(range(100, 116))).result()
+    assert (done.num_blocks, done.miss, done.layout_errors) == (1, None, 1)
+    assert done.recovered == [(MissReason.CORRUPT, Tier.LOCAL)]
+    assert torch.equal(k[:, 100:116], k[:, 0:16])
+    tiers.record_load(done)
+    assert tiers.stats()["errors"].get("corrupt", 0) == 1
+    tiers.close()
+
+
+def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-20] ^= 0xFF
     path.write_bytes(bytes(data))
-    hit = tiers.probe(tokens + [0], "", 0)
-    assert hit is not None and hit.num_tokens == 32
-    before = k[:, 200:232].clone()
-    done = tiers.load(hit, list(range(200, 232))).result()
-    assert (done.num_blocks, done.num_tokens, done.miss.value) == (1, 16, "corrupt")
-    assert torch.equal(k[:, 200:216], k[:, 0:16])
-    assert torch.equal(k[:, 216:232], before[:, 16:])  # the bad block wrote nothing
-    tiers.record_load(done)
-    assert tiers.stats()["errors"].get("corrupt", 0) >= 1
-    tiers.close()
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])

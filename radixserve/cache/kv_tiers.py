@@ -239,9 +239,10 @@ class KVTiers:
         self.load_rate.add(done.bytes, done.seconds)
         for tier, n in done.tokens_by_tier.items():
             self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n
-        for miss in [*(m for m, _ in done.recovered), done.miss]:
-            if miss is not None and miss is not MissReason.ABSENT:
-                self._count_error(miss.value)
+        # A store counts the misses it returns (stats() adds them in); a payload of the
+        # wrong size is the loader's own finding.
+        for _ in range(done.layout_errors):
+            self._count_error(MissReason.CORRUPT.value)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         self.prefill_rate.add(num_tokens, seconds)

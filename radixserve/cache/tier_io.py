@@ -196,6 +196,9 @@ class LoadDone:
     miss_tier: Tier | None = None
     # Misses another tier made good (a corrupt local block read from the shared tier).
     recovered: list[tuple[MissReason, Tier]] = field(default_factory=list)
+    # Payloads of the wrong size (another layout): the stores count their own misses, so
+    # these are the only errors the loader alone saw.
+    layout_errors: int = 0
 
 
 class TierLoader:
@@ -259,6 +262,7 @@ class TierLoader:
             else:
                 continue
             if len(data) != self._codec.block_bytes:
+                done.layout_errors += 1
                 first = first or (MissReason.CORRUPT, t)  # another layout
                 continue
             if first is not None:
