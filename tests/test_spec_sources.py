@@ -189,6 +189,18 @@ def test_gate_keeps_the_faster_arm_and_probes_the_other() -> None:
     assert sum(gate.allow(1) for _ in range(PROBE_EVERY * 2)) == PROBE_EVERY * 2 - 2
 
 
+def test_gate_drafts_only_where_it_clearly_pays() -> None:
+    """A tie (compute-bound: drafted steps give the plain steps' tokens per second) is a
+    loss; so is a gain inside the timing noise; a 30% gain is kept."""
+    for gain, drafting in ((1.0, False), (1.1, False), (1.3, True)):
+        gate = DraftGate()
+        for _ in range(4 * MIN_SAMPLES):
+            drafted = gate.allow(32)
+            gate.observe(32, drafted, 96 if drafted else 32, 0.3 / gain if drafted else 0.1)
+        later = [gate.allow(32) for _ in range(PROBE_EVERY)]
+        assert later.count(True) == (PROBE_EVERY - 1 if drafting else 1), gain
+
+
 def test_spec_state_converts_only_the_appended_tail() -> None:
     from radixserve.spec.acceptance import DraftLength
     from radixserve.spec.drafter import SpecState
