@@ -290,7 +290,8 @@ def _run_all(systems: list[SystemSpec], workloads: list[Workload], args: argpars
              out: Path, stem: str) -> Results:
     """System-major (each system started once, all its runs, stopped), or with --interleave
     run-major: run i of every system, then run i + 1, each system started afresh for each run,
-    so that a slow spell of a shared machine hits every system alike instead of one."""
+    so that a slow spell of a shared machine hits every system alike instead of one. The order
+    rotates by run (A B, then B A), so whatever favours going first or second cancels."""
     results: Results = {}
     if not args.interleave:
         for spec in systems:
@@ -302,7 +303,8 @@ def _run_all(systems: list[SystemSpec], workloads: list[Workload], args: argpars
                 results[spec.name] = str(e)
         return results
     for i, w in enumerate(workloads):
-        for spec in systems:
+        k = i % len(systems)
+        for spec in systems[k:] + systems[:k]:
             if isinstance(results.get(spec.name), str):
                 continue  # failed once: not retried
             print(f"== run {i + 1}/{len(workloads)}, {spec.name}: {' '.join(spec.argv)}",
