@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
 from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
-from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.attention.torch_backend import SHORT_QUERY_MAX, TorchAttentionBackend
 from radixserve.attention.varlen import MIN_VARLEN_TOKENS
 from radixserve.engine.sampler import Sampler
 from radixserve.model.cpu_linear import GatedMLP, Linear, can_prepack, make_linear
@@ -120,6 +120,10 @@ CASES = {
     "extend, padded, group of some": (Phase.PREFILL, [64, 64, 0], [5, 16, 9], [([0, 1], 64)]),
     "extend, no group": (Phase.PREFILL, [0, 30, 7], [12, 3, 20], []),
     "extend, lone request": (Phase.PREFILL, [40], [17], []),
+    # drafts to verify (<= SHORT_QUERY_MAX new tokens each): one decode-kernel row per token
+    "verify, drafts in a group": (Phase.PREFILL, [70, 75, 70, 90], [5, 1, 3, 8],
+                                  [([0, 1, 2, 3], 64)]),
+    "verify, drafts, group + loner": (Phase.PREFILL, [66, 80, 12], [4, 2, 5], [([0, 1], 64)]),
     "decode, lone request": (Phase.DECODE, [40], [1], []),
     # long extends (>= MIN_VARLEN_TOKENS new tokens) take the varlen path, the rest the cascade
     "extend, long chunk alone": (Phase.PREFILL, [0], [130], []),
@@ -142,7 +146,7 @@ CASES = {
 def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
                                                consecutive: bool, device: str,
                                                kernel: str) -> None:
-    """kernel "native": decode-only batches through csrc/paged_decode.cpp, long extends
+    """kernel "native": decode tokens and short chunks through csrc/paged_decode.cpp, long extends
     through csrc/prefill_attention.cpp (CPU only)."""
     if kernel == "native" and device != "cpu":
         pytest.skip("the native kernels are CPU-only")
@@ -173,9 +177,11 @@ def test_backend_matches_per_request_reference(case: str, dtype: torch.dtype,
         backend = TorchAttentionBackend(counted("decode", load_paged_decode()),
                                         counted("prefill", load_prefill_attention()))
     out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
-    # decode batches go through the decode kernel; each long extend is one prefill call
+    # decode tokens and short chunks go through the decode kernel (once, when every short
+    # chunk is short enough); each long extend is one prefill call
     native = kernel == "native"
-    assert calls["decode"] == (native and phase == Phase.DECODE)
+    short = [n for n in extend_lens if n < MIN_VARLEN_TOKENS]
+    assert calls["decode"] == (native and bool(short) and max(short) <= SHORT_QUERY_MAX)
     assert calls["prefill"] == native * sum(n >= MIN_VARLEN_TOKENS for n in extend_lens)
     assert torch.equal(k_cache[meta.out_slots], k) and torch.equal(v_cache[meta.out_slots], v)
     ref = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), build_meta(

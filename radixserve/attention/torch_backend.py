@@ -11,8 +11,10 @@ Long prefill chunks (MIN_VARLEN_TOKENS tokens or more) go to attention/varlen.py
 request at a time on this forward's own k/v; the cascade above takes the rest of the batch
 (decode tokens and short prefill chunks, e.g. the decodes of a mixed step). A rest whose padded
 block would be too large, or a lone request with no group, goes to one SDPA call per request.
-On CPU, a decode-only rest goes instead to the native paged kernel (cpu_kernels.py) when the
-backend was given it: each request's own part read in place, then the groups merged as above;
+On CPU, a rest of decode tokens and short chunks (at most SHORT_QUERY_MAX new tokens each:
+drafts to verify) goes instead to the native paged kernel (cpu_kernels.py) when the backend
+was given it: one kernel row per new token, its own causal range read in place, then the groups
+merged as above;
 long prefill chunks likewise go to the native causal prefill kernel when given (varlen.py).
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
 Does not know: the model, the scheduler.
@@ -44,6 +46,11 @@ from radixserve.attention.varlen import (
 )
 
 MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
+# Up to this many new tokens per request the paged decode kernel runs one row per token
+# (each reads its request's keys again) rather than the cascade gathering a padded copy of
+# every request's keys per layer and masking it: verifying drafts of 4 at batch 32 in bf16,
+# the cascade took ~6 ms a layer.
+SHORT_QUERY_MAX = 8
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -156,7 +163,8 @@ def _make_plan(meta: AttentionMetadata, group_size: int, dtype: torch.dtype) -> 
 
 @dataclass
 class _DecodePlan:
-    """A decode-only batch for the native kernel: keys read in place through the slot table."""
+    """Decode tokens and short chunks for the native kernel (one row per new token): keys
+    read in place through the slot table."""
 
     slot_table: torch.Tensor  # (R, Lmax) int32
     rows: torch.Tensor  # (B,) int64
@@ -167,8 +175,22 @@ class _DecodePlan:
 
 def _make_decode_plan(meta: AttentionMetadata) -> _DecodePlan:
     starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
-    return _DecodePlan(meta.slot_table, meta.rows.long(), starts.long(), meta.seq_lens.long(),
-                       _groups(meta))
+    groups = _groups(meta)
+    if meta.max_extend_len == 1:
+        return _DecodePlan(meta.slot_table, meta.rows.long(), starts.long(),
+                           meta.seq_lens.long(), groups)
+    # One kernel row per new token: token j of request b is at position prefix_b + j and
+    # attends to [own_start_b, prefix_b + j + 1), which is causal attention (the forward
+    # stored every new token's K/V in the pool before attending). The groups' prefixes end at
+    # or before prefix_b (tree pages are computed), so every token sees all of its group's.
+    ext = meta.extend_lens.long()
+    T = sum(meta.extend_lens_cpu)
+    first = torch.repeat_interleave(meta.cu_extend[:-1].long(), ext, output_size=T)  # (T,)
+    j = torch.arange(T, device=ext.device) - first  # (T,) index within its request
+    seq = torch.repeat_interleave(meta.prefix_lens.long(), ext, output_size=T) + j + 1
+    rows = torch.repeat_interleave(meta.rows.long(), ext, output_size=T)
+    return _DecodePlan(meta.slot_table, rows,
+                       torch.repeat_interleave(starts.long(), ext, output_size=T), seq, groups)
 
 
 def _groups(meta: AttentionMetadata) -> list[_Group]:
@@ -187,8 +209,8 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
 
 
 class TorchAttentionBackend:
-    """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode-only
-    batches; prefill: cpu_kernels.load_prefill_attention() for long prefill chunks (varlen.py);
+    """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode tokens
+    and short chunks (drafts to verify); prefill: cpu_kernels.load_prefill_attention() for long prefill chunks (varlen.py);
     None for the torch path there (the reference)."""
 
     def __init__(self, paged_decode: PagedDecode | None = None,
@@ -204,10 +226,10 @@ class TorchAttentionBackend:
 
     def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor
                     ) -> _Plan | _DecodePlan | None:
-        # A decode step (one new token per request) through the kernel: it reads each
-        # request's keys in place, where the cascade gathers them into a padded block per
-        # layer first (a copy as large as the keys) and then runs flash over it.
-        if (self.paged_decode is not None and meta.max_extend_len == 1
+        # Decode tokens and short chunks through the kernel: it reads each request's keys in
+        # place, where the cascade gathers them into a padded block per layer first (a copy
+        # as large as the keys) and then runs flash over it.
+        if (self.paged_decode is not None and meta.max_extend_len <= SHORT_QUERY_MAX
                 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)):
             return _make_decode_plan(meta)
         return _make_plan(meta, q.shape[1] // k.shape[1], q.dtype)
@@ -258,7 +280,7 @@ class TorchAttentionBackend:
                        plan: _DecodePlan, scale: float) -> torch.Tensor:
         """Each request's own part by the native kernel, then its shared group merged in."""
         assert self.paged_decode is not None
-        T, Hq, D = q.shape  # T == B: one token per request
+        T, Hq, D = q.shape  # one kernel row per new token
         Hkv = k_cache.shape[1]
         out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
                                      plan.starts, plan.seq_lens, scale)  # (B, Hq, D), (B, Hq)
