@@ -10,8 +10,11 @@ interleaved across requests, as a decode step hands them out), SmolLM2-135M's he
 - native: TorchAttentionBackend(load_paged_decode()) (keys read in place through the slot
   table by csrc/paged_decode.cpp).
 Prints the median ms per step of each and their ratio, and the largest difference.
+`--new-tokens N` (N > 1, at most SHORT_QUERY_MAX) makes it the step that verifies drafts: N
+new tokens per request, causal among themselves, one kernel row per token on the native path.
 
     python -m bench.decode_attention --batch 32 --prompt-len 516 --decoded 24 --dtype float32
+    python -m bench.decode_attention --new-tokens 4 --dtype bfloat16 --num-threads 2
 """
 
 from __future__ import annotations
@@ -30,23 +33,28 @@ from radixserve.types import Phase
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
 
 
-def decode_meta(batch: int, prompt_len: int, decoded: int) -> tuple[AttentionMetadata, int]:
-    """Metadata of the step that adds token `decoded` to every request; and the slots used."""
-    seq = prompt_len + decoded + 1
+def decode_meta(batch: int, prompt_len: int, decoded: int, new: int = 1
+                ) -> tuple[AttentionMetadata, int]:
+    """Metadata of the step that adds tokens decoded .. decoded + new - 1 to every request;
+    and the slots used."""
+    prefix = prompt_len + decoded
+    seq = prefix + new
     table = torch.zeros(batch, seq, dtype=torch.int32)
     base = batch * prompt_len
     for b in range(batch):
         table[b, :prompt_len] = torch.arange(b * prompt_len, (b + 1) * prompt_len)
-        table[b, prompt_len:] = base + torch.arange(decoded + 1) * batch + b
-    ones = torch.ones(batch, dtype=torch.int32)
+        table[b, prompt_len:] = base + torch.arange(decoded + new) * batch + b
+    n = torch.full((batch,), new, dtype=torch.int32)
     rows = torch.arange(batch)
     meta = AttentionMetadata(
-        phase=Phase.DECODE, slot_table=table, rows=rows, prefix_lens=ones * (seq - 1),
-        extend_lens=ones, seq_lens=ones * seq, cu_extend=torch.arange(batch + 1, dtype=torch.int32),
-        out_slots=table[:, seq - 1].long(), prefix_lens_cpu=(seq - 1,) * batch,
-        extend_lens_cpu=(1,) * batch, max_seq_len=seq, max_extend_len=1,
+        phase=Phase.DECODE if new == 1 else Phase.PREFILL, slot_table=table, rows=rows,
+        prefix_lens=torch.full((batch,), prefix, dtype=torch.int32), extend_lens=n,
+        seq_lens=torch.full((batch,), seq, dtype=torch.int32),
+        cu_extend=torch.arange(batch + 1, dtype=torch.int32) * new,
+        out_slots=table[:, prefix:].flatten().long(), prefix_lens_cpu=(prefix,) * batch,
+        extend_lens_cpu=(new,) * batch, max_seq_len=seq, max_extend_len=new,
         rows_cpu=tuple(range(batch)))
-    return meta, base + (decoded + 1) * batch
+    return meta, base + (decoded + new) * batch
 
 
 def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], k: torch.Tensor,
@@ -64,6 +72,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=516)
     ap.add_argument("--decoded", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=1,
+                    help="new tokens per request (> 1: a verify step, drafts of N - 1)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
@@ -72,11 +82,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     kernel = load_paged_decode()
     assert kernel is not None, "the native kernel did not build (see the warning above)"
-    meta, slots = decode_meta(args.batch, args.prompt_len, args.decoded)
+    meta, slots = decode_meta(args.batch, args.prompt_len, args.decoded, args.new_tokens)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
     v = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
-    qkv = [torch.randn(args.batch, HQ + 2 * HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
+    T = args.batch * args.new_tokens
+    qkv = [torch.randn(T, HQ + 2 * HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
     paths = {"torch": TorchAttentionBackend(), "native": TorchAttentionBackend(kernel)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     outs: dict[str, torch.Tensor] = {}
@@ -87,7 +98,7 @@ def main() -> None:
                 times[name].append(secs)
     med = {name: statistics.median(ts[1:]) * 1e3 for name, ts in times.items()}
     diff = (outs["torch"].float() - outs["native"].float()).abs().max().item()
-    print(f"decode attention, {LAYERS} layers, batch {args.batch}, context "
+    print(f"decode attention, {LAYERS} layers, batch {args.batch} x {args.new_tokens} new, context "
           f"{meta.max_seq_len} tokens, {args.dtype}, {args.num_threads} thread(s), "
           f"median of {args.runs}:")
     print(f"torch cascade {med['torch']:8.1f} ms/step")
