@@ -168,30 +168,28 @@ class _DecodePlan:
     read in place through the slot table."""
 
     slot_table: torch.Tensor  # (R, Lmax) int32
-    rows: torch.Tensor  # (B,) int64
-    starts: torch.Tensor  # (B,) int64: first position of each request's own part
-    seq_lens: torch.Tensor  # (B,) int64
+    rows: torch.Tensor  # (T,) int64: each new token's table row
+    starts: torch.Tensor  # (T,) int64: first position of its request's own part
+    seq_lens: torch.Tensor  # (T,) int64: its position + 1 (the end of its causal range)
     groups: list[_Group]
 
 
 def _make_decode_plan(meta: AttentionMetadata) -> _DecodePlan:
+    """One kernel row per new token: token j of request b is at position prefix_b + j and
+    attends to [own_start_b, prefix_b + j + 1), which is causal attention (the forward stored
+    every new token's K/V in the pool before attending). The groups' prefixes end at or before
+    prefix_b (tree pages are computed), so every token sees all of its group's. A decode step
+    is the case of one token per request (built once per forward, not per layer)."""
     starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
-    groups = _groups(meta)
-    if meta.max_extend_len == 1:
-        return _DecodePlan(meta.slot_table, meta.rows.long(), starts.long(),
-                           meta.seq_lens.long(), groups)
-    # One kernel row per new token: token j of request b is at position prefix_b + j and
-    # attends to [own_start_b, prefix_b + j + 1), which is causal attention (the forward
-    # stored every new token's K/V in the pool before attending). The groups' prefixes end at
-    # or before prefix_b (tree pages are computed), so every token sees all of its group's.
     ext = meta.extend_lens.long()
     T = sum(meta.extend_lens_cpu)
-    first = torch.repeat_interleave(meta.cu_extend[:-1].long(), ext, output_size=T)  # (T,)
-    j = torch.arange(T, device=ext.device) - first  # (T,) index within its request
-    seq = torch.repeat_interleave(meta.prefix_lens.long(), ext, output_size=T) + j + 1
-    rows = torch.repeat_interleave(meta.rows.long(), ext, output_size=T)
-    return _DecodePlan(meta.slot_table, rows,
-                       torch.repeat_interleave(starts.long(), ext, output_size=T), seq, groups)
+
+    def per_token(x: torch.Tensor) -> torch.Tensor:  # (B,) -> (T,)
+        return torch.repeat_interleave(x.long(), ext, output_size=T)
+
+    j = torch.arange(T, device=ext.device) - per_token(meta.cu_extend[:-1])  # (T,)
+    return _DecodePlan(meta.slot_table, per_token(meta.rows), per_token(starts),
+                       per_token(meta.prefix_lens) + j + 1, _groups(meta))
 
 
 def _groups(meta: AttentionMetadata) -> list[_Group]:
@@ -211,8 +209,8 @@ def _groups(meta: AttentionMetadata) -> list[_Group]:
 
 class TorchAttentionBackend:
     """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode tokens
-    and short chunks (drafts to verify); prefill: cpu_kernels.load_prefill_attention() for long prefill chunks (varlen.py);
-    None for the torch path there (the reference)."""
+    and short chunks (drafts to verify); prefill: cpu_kernels.load_prefill_attention() for
+    long prefill chunks (varlen.py); None for the torch path there (the reference)."""
 
     def __init__(self, paged_decode: PagedDecode | None = None,
                  prefill: PrefillAttention | None = None) -> None:
@@ -284,7 +282,7 @@ class TorchAttentionBackend:
         T, Hq, D = q.shape  # one kernel row per new token
         Hkv = k_cache.shape[1]
         out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
-                                     plan.starts, plan.seq_lens, scale)  # (B, Hq, D), (B, Hq)
+                                     plan.starts, plan.seq_lens, scale)  # (T, Hq, D), (T, Hq)
         out, lse = out.view(T, Hkv, Hq // Hkv, D), lse.view(T, Hkv, Hq // Hkv)
         for g in plan.groups:  # disjoint: each token is merged at most once
             out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, self.scratch)

@@ -241,8 +241,8 @@ class KVTiers:
             self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n
         # A store counts the misses it returns (stats() adds them in); a payload of the
         # wrong size is the loader's own finding.
-        for _ in range(done.layout_errors):
-            self._count_error(MissReason.CORRUPT.value)
+        if done.layout_errors:
+            self._count_error(MissReason.CORRUPT.value, done.layout_errors)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         self.prefill_rate.add(num_tokens, seconds)
@@ -275,8 +275,8 @@ class KVTiers:
         events, self.events = self.events, []
         return events
 
-    def _count_error(self, kind: str) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + 1
+    def _count_error(self, kind: str, n: int = 1) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + n
 
     # ---- observability -----------------------------------------------------------------------
 
