@@ -3,7 +3,7 @@
 Owns: how each system is launched on loopback (a subprocess on a free port, health wait,
 stopped by its handle), the run order (one system at a time, so none competes for the
 cores; system-major, or run-major with --interleave), repetition (`--runs N`, median per figure) and the ratio table. Does not know: how
-requests are sent or figures defined (bench.serving, bench.metrics).
+requests are sent or figures defined (bench.serving, bench.common.metrics).
 
 Systems: radixserve (prefix cache on), radixserve-nocache (`--disable-radix-cache`),
 radixserve-spec (with `--speculative-config JSON`, when that flag is given),
@@ -35,8 +35,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from bench.metrics import BenchSummary
-from bench.proc_cpu import group_cpu_seconds
+from bench.common.metrics import BenchSummary
+from bench.common.proc_cpu import group_cpu_seconds
+from bench.common.workloads import Workload, add_workload_args, build_workload, spec_from_args
 from bench.serving import (
     BenchError,
     BenchRun,
@@ -46,7 +47,6 @@ from bench.serving import (
     run_cli,
 )
 from bench.serving import write_json as _write_json
-from bench.workloads import Workload, add_workload_args, build_workload, spec_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "radixserve"
@@ -364,8 +364,7 @@ def _main(args: argparse.Namespace) -> int:
     paths = [_write_json(out / f"{stem}.json", record)]
     ran = {k: v for k, v in record["systems"].items() if "runs" in v}
     if ran and not args.no_plots:
-        from bench import plots
-
+        from bench.common import plots
         figures = [row for k in ran if isinstance(row := rows[k], dict)]
         paths.append(plots.plot_compare(list(ran), figures, out / f"{stem}.png"))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.grammar --num-requests 64 --runs 5
 
 Throughput: N chat prompts asking for JSON, cycling over the 10 schemas of
-bench/grammar_schemas.py, greedy. A calibration run decodes them constrained and records each
+bench/common/grammar_schemas.py, greedy. A calibration run decodes them constrained and records each
 output length; then, `--runs` times and interleaved, the same prompts run constrained and
 unconstrained (ignore_eos, max_tokens = that prompt's constrained length), so both sides
 generate exactly the same number of tokens. Prompts are in the radix cache after calibration
@@ -22,7 +22,7 @@ import json
 import statistics
 import time
 
-from bench.grammar_schemas import SCHEMAS
+from bench.common.grammar_schemas import SCHEMAS
 from radixserve import LLM
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.engine.engine import _grammar_backend

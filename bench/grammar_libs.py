@@ -17,8 +17,8 @@ import llguidance
 import torch
 from llguidance.hf import from_tokenizer
 
-from bench.grammar_schemas import SCHEMAS
-from radixserve.grammar.spec import JSON_OPTIONS
+from bench.common.grammar_schemas import SCHEMAS
+from radixserve.grammar.grammar_text import JSON_OPTIONS
 from radixserve.model_source import resolve_model
 from radixserve.tokenizer import load_tokenizer
 

@@ -10,7 +10,7 @@ caches: round_robin, cache_aware (approximate index), cache_aware + kv events (p
 workload is SGLang's generated-shared-prefix shape: G groups x P prompts, each a shared
 prefix plus a unique suffix, shuffled, `--concurrency` in flight. Reported: throughput, TTFT
 p50/p90/p99, prefix hit rate (cached / prompt tokens from `usage`). `--trace pressure` swaps
-the workload for bench/router_trace.py's multi-tenant trace (Zipf-popular tenants whose long
+the workload for bench/common/router_trace.py's multi-tenant trace (Zipf-popular tenants whose long
 prefixes overflow the replicas' LRU caches) and skips the latency part. Then the router's added
 latency: sequential tiny requests to an instant replica, direct vs through the router (and
 through SGLang's router when `--sglang-router PYTHON` points at a venv that has it).
@@ -38,7 +38,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from bench.router_trace import TraceConfig, prefix_tokens, pressure_trace
+from bench.common.router_trace import TraceConfig, prefix_tokens, pressure_trace
 from radixserve.testing.fake_replica import ByteEncoder, FakeReplica, FakeReplicaConfig, start_app
 from router.config import PolicyName, RouterConfig
 

@@ -3,7 +3,7 @@
     python -m bench.router_agreement [--requests 400 --concurrency 1 --replicas 4]
 
 In-process (no timing is measured, only decisions): fake replicas with real /kv_events and an
-LRU cache, two routers (A and B) in one mode, a multi-tenant trace (bench/router_trace.py)
+LRU cache, two routers (A and B) in one mode, a multi-tenant trace (bench/common/router_trace.py)
 sent alternately through A and B. Before each request goes through its router, both routers
 are asked what they would choose for it (a dry run: nothing recorded); agreement is the share
 of requests where the two choices are equal. Modes: precise (both follow every
@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.router_trace import TraceConfig, pressure_trace
+from bench.common.router_trace import TraceConfig, pressure_trace
 from radixserve.testing.fake_replica import (
     ByteEncoder,
     FakeReplica,
@@ -30,8 +30,8 @@ from radixserve.testing.fake_replica import (
 )
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
-from router.route_key import RequestKind
-from router.routing import Router
+from router.routing.core import Router
+from router.routing.route_key import RequestKind
 
 
 async def dry_choice(router: Router, body: dict[str, Any]) -> str | None:

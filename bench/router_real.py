@@ -5,7 +5,7 @@
 Starts `--replicas` real `radixserve serve` processes (fp32, one thread each, a small KV cache
 so that the tenants' prefixes overflow it, /kv_events on), then for round_robin, cache_aware
 (approximate) and cache_aware + kv events (precise, tokenizing with the replicas' tokenizer)
-in turn: flushes every replica's cache, runs bench/router_trace.py's multi-tenant trace
+in turn: flushes every replica's cache, runs bench/common/router_trace.py's multi-tenant trace
 through an in-process router, and reports throughput, TTFT p50/p90 and the prefix hit rate
 (cached / prompt tokens from `usage`). Figures in bench/README.md.
 """
@@ -23,12 +23,12 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.common.router_trace import TraceConfig, pressure_trace
 from bench.router import one_stream
-from bench.router_trace import TraceConfig, pressure_trace
 from radixserve.testing.fake_replica import start_app
 from router.app import create_app
 from router.config import PolicyName, RouterConfig
-from router.route_key import load_prompt_encoder
+from router.routing.route_key import load_prompt_encoder
 from tests.server_proc import running_server
 
 SCENARIOS = [("round_robin", PolicyName.ROUND_ROBIN, False),

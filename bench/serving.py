@@ -1,9 +1,9 @@
 """The serving benchmark client: streams a workload at any OpenAI-compatible server.
 
 Owns: one benchmark run (warm-up, the workload, the summary) and the `python -m bench.serving`
-CLI. The HTTP side (requests, arrivals, warm-up, /metrics) is bench.client.
+CLI. The HTTP side (requests, arrivals, warm-up, /metrics) is bench.common.client.
 Does not know: which server it talks to (radixserve, its router, vLLM, llama.cpp, the HF
-baseline), how workloads are built, how figures are defined (bench.metrics).
+baseline), how workloads are built, how figures are defined (bench.common.metrics).
 
 Usage: python -m bench.serving --base-url http://127.0.0.1:30000 --workload shared-prefix
 """
@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.client import (  # noqa: F401  (re-exported: the public API of bench.serving)
+from bench.common.client import (  # noqa: F401  (re-exported: the public API of bench.serving)
     BenchError,
     BenchRun,
     ClientConfig,
@@ -36,12 +36,12 @@ from bench.client import (  # noqa: F401  (re-exported: the public API of bench.
     send_request,
     warm_up,
 )
-from bench.metrics import (
+from bench.common.metrics import (
     counter_hit_rate,
     format_summary,
     summarize,
 )
-from bench.workloads import (
+from bench.common.workloads import (
     Workload,
     WorkloadError,
     add_workload_args,
@@ -133,8 +133,7 @@ def _main(args: argparse.Namespace) -> int:
     paths = [write_json(out / f"{stem}.json", {"runs": [r.to_dict() for r in runs],
                                                "rates": [jsonable(r) for r in rates]})]
     if not args.no_plots:
-        from bench import plots
-
+        from bench.common import plots
         paths += plots.plot_run(runs[-1].results, out / stem)
         if len(runs) > 1:
             paths.append(plots.plot_sweep(rates, [r.summary for r in runs],

@@ -5,7 +5,7 @@ Owns: the cases (extractive RAG at several batch sizes, a code edit with `predic
 tool-call JSON under a named tool choice), the two servers they run against (`radixserve
 serve` without and with `--speculative-config`, both up for the whole run so every repetition
 alternates between them and a slow spell of a shared machine hits both alike), and the table.
-Does not know: the prompts (bench.spec_workloads), how the engine drafts or verifies.
+Does not know: the prompts (bench.common.spec_workloads), how the engine drafts or verifies.
 The no-regression runs (random, shared-prefix) are bench.compare's, with
 `--speculative-config` adding the system `radixserve-spec`; `--section compare` runs them.
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import aiohttp
 
-from bench import spec_workloads as w
+from bench.common import spec_workloads as w
+from bench.common.metrics import parse_prometheus
 from bench.compare import ServerProcess, SystemSpec
-from bench.metrics import parse_prometheus
 from bench.serving import BenchError, run_cli, write_json
 
 OFF, ON = "off", "spec"

@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from bench.workloads import RandomSpec, build_workload
+from bench.common.workloads import RandomSpec, build_workload
 from radixserve import LLM
 from radixserve.types import SamplingParams
 

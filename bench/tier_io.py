@@ -28,7 +28,7 @@ import torch
 
 from radixserve import LLM
 from radixserve.cache.tiers import BlockStore, Fingerprint, Tier, block_key
-from radixserve.kv_events import block_hashes
+from radixserve.kv_events.publisher import block_hashes
 from radixserve.types import SamplingParams
 
 

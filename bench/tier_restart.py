@@ -3,7 +3,7 @@
     python -m bench.tier_restart                    # 16 sessions x 4 turns, median of 1
     python -m bench.tier_restart --runs 3
 
-One run, each step a fresh `radixserve serve` on one agent trace (bench/tier_workloads.py):
+One run, each step a fresh `radixserve serve` on one agent trace (bench/common/tier_workloads.py):
   1. `first`: --kv-offload-dir L --kv-shared-dir S; every session's turns 1..T-1, as the
      agent bench plays them; then SIGTERM (a clean exit persists the pool into the tiers).
   2. `cold`: no tier: every session's turn T (the baseline: its history is recomputed).
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.client import BenchError, ClientConfig, fetch_model, send_request
+from bench.common.client import BenchError, ClientConfig, fetch_model, send_request
+from bench.common.metrics import RequestResult
+from bench.common.tier_workloads import AgentSpec, Session, build_agent_sessions, run_agent_sessions
 from bench.compare import ServerProcess, SystemSpec
-from bench.metrics import RequestResult
-from bench.tier_workloads import AgentSpec, Session, build_agent_sessions, run_agent_sessions
 
 STOP_TIMEOUT_S = 300.0  # a clean exit writes the whole pool to the tier first
 

@@ -10,7 +10,7 @@ Systems (each a fresh `radixserve serve`, a fresh tier directory, started per ru
   on        --kv-cache-tokens K --kv-offload-dir DIR --kv-offload-size G
   shared    --kv-cache-tokens K --kv-shared-dir DIR (the shared tier alone)
   infinite  --kv-cache-tokens large enough for every token of the trace (nothing evicted)
-Workloads: bench/tier_workloads.py. Hit rate = sum(cached_tokens) / sum(prompt tokens) from
+Workloads: bench/common/tier_workloads.py. Hit rate = sum(cached_tokens) / sum(prompt tokens) from
 each response's usage. Ratios: on / off (TTFT: off / on) and hit rate on / infinite.
 """
 
@@ -31,10 +31,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.client import BenchError, ClientConfig, fetch_model, run_all
-from bench.compare import ServerProcess, SystemSpec
-from bench.metrics import BenchSummary, RequestResult, summarize
-from bench.tier_workloads import (
+from bench.common.client import BenchError, ClientConfig, fetch_model, run_all
+from bench.common.metrics import BenchSummary, RequestResult, summarize
+from bench.common.tier_workloads import (
     AgentSpec,
     Session,
     build_agent_sessions,
@@ -42,7 +41,8 @@ from bench.tier_workloads import (
     rag_corpus_spec,
     run_agent_sessions,
 )
-from bench.workloads import RagSpec, Workload
+from bench.common.workloads import RagSpec, Workload
+from bench.compare import ServerProcess, SystemSpec
 
 SYSTEMS = ("off", "on", "infinite")
 Runner = Callable[[aiohttp.ClientSession, ClientConfig, str], Awaitable[list[RequestResult]]]

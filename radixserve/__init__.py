@@ -13,14 +13,13 @@ from radixserve.constraints import Constraint
 from radixserve.types import SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.engine.llm import LLM, RequestOutput
+    from radixserve.llm import LLM, RequestOutput
 
 __all__ = ["LLM", "Constraint", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("LLM", "RequestOutput"):
-        from radixserve.engine import llm
-
+        from radixserve import llm
         return getattr(llm, name)
     raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"radixserve: error: {err}", file=sys.stderr)
         return 2
     if cfg.api_keys_file is not None:
-        from radixserve.api.keys import load_keys_file
+        from radixserve.api.api_keys import load_keys_file
 
         try:
             load_keys_file(cfg.api_keys_file)  # fail fast, before anything starts

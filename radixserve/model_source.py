@@ -3,7 +3,7 @@
 Owns: resolving a model spec (`--model`) to an HF-format folder, converting a GGUF once
 (cached by the file's hash). Torch-free at import: the router resolves `--model` to find the
 tokenizer; only a first-time GGUF conversion loads transformers' model classes.
-Does not know: config.json parsing (model/spec.py), weights (model/weights.py), the forward.
+Does not know: config.json parsing (model/arch.py), weights (model/weights.py), the forward.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
-from router.canary import parse_worker_flags
 from router.config import ConfigError, PolicyName, RouterConfig
-from router.discovery.config import add_discovery_args, discovery_from_args
+from router.discovery.discovery_config import add_discovery_args, discovery_from_args
+from router.fleet.canary import parse_worker_flags
 
 log = logging.getLogger("router")
 ADMIN_KEY_ENV = "RADIXSERVE_ROUTER_ADMIN_KEY"

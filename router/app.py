@@ -25,13 +25,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from router.canary import SplitUpdateError
 from router.config import ConfigError, RouterConfig, normalize_worker_url
 from router.discovery import DiscoveryConfig, attach_discovery
+from router.fleet.canary import SplitUpdateError
 from router.metrics import make_registry
-from router.proxy import error_response, no_worker_response, proxy
-from router.route_key import PromptEncoder, RequestKind, load_prompt_encoder
-from router.routing import Router
+from router.proxy.forward import error_response, no_worker_response, proxy
+from router.routing.core import Router
+from router.routing.route_key import PromptEncoder, RequestKind, load_prompt_encoder
 from router.workers import UnknownWorkerError, WorkerExistsError, health_loop
 
 ROUTER_KEY = web.AppKey("router", Router)

@@ -44,7 +44,7 @@ def _native_cpu_kernels_built() -> None:
     from radixserve.model.int8_kernel import load_int8_gemm
 
     load_paged_decode()
-    load_int8_gemm()  # and the int8 GEMM (tests/test_int8_kernel.py)
+    load_int8_gemm()  # and the int8 GEMM (tests/model/test_int8_kernel.py)
 
 
 @pytest.fixture(scope="session")

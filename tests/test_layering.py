@@ -8,9 +8,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.repo import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 
 def loaded_modules(module: str) -> list[str]:
@@ -29,8 +30,8 @@ def under(modules: list[str], package: str) -> list[str]:
 
 
 def test_offline_llm_imports_nothing_from_the_server() -> None:
-    loaded = loaded_modules("radixserve.engine.llm")
-    assert "radixserve.engine.llm" in loaded
+    loaded = loaded_modules("radixserve.llm")
+    assert "radixserve.llm" in loaded
     assert under(loaded, "radixserve.server") == []
 
 

@@ -2,7 +2,7 @@
 real server under the mixed load of tests/soak.py for minutes, ending with no page held, the
 engine's integrity check passing and flat memory. RADIXSERVE_SOAK_MODEL picks another model
 (e.g. smollm2-135m); the default is the tiny random Llama. The always-run short variant is
-tests/test_server_fuzz.py::test_soak_short."""
+tests/server/test_fuzz.py::test_soak_short."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.server.test_fuzz import check_soak
 from tests.server_proc import running_server
 from tests.soak import soak
-from tests.test_server_fuzz import check_soak
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(3600)]
 KEY = "sk-soak-5e1f"

@@ -3,7 +3,7 @@
 Owns: the kernels' launch signatures for an offline compile (Triton frontend, lowering, and
 ptxas to a cubin) at the wrappers' own block sizes, and a register/spill report. The CPU
 interpreter accepts code the compiler rejects (dot shape minimums, type rules, constexpr
-misuse), so CPU-only CI runs this too (tests/test_triton_kernels.py, in a subprocess).
+misuse), so CPU-only CI runs this too (tests/triton_kernels/test_kernels.py, in a subprocess).
 Does not know: what the kernels compute.
 
     python -m triton_kernels.aot_check --arch 90 80 [--spills]

@@ -5,6 +5,6 @@ Owns: parsing and validating request bodies (protocol.py, responses.py, fields.p
 chat_messages.py), output constraints (constraints/), tools (tools/), the length/range/seed
 rules (lengths.py), turning a request into its choices (jobs.py), and the aiohttp-free parts
 of API keys and rate limits (keys.py, ratelimit.py). Imported by the aiohttp server
-(radixserve/server), the offline LLM (radixserve/engine/llm.py), the scheduler's request rules
+(radixserve/server), the offline LLM (radixserve/llm.py), the scheduler's request rules
 and the router. Does not know: aiohttp, torch, the engine (import-linter enforces this).
 """

@@ -1,7 +1,7 @@
 """APIError, a typed user-facing error, and the OpenAI error body `{"error": {...}}`.
 
 Owns: the error's status, message, parameter, code and extra headers, and the mapping from
-a status to OpenAI's error `type`. Does not know: HTTP frameworks (server/errors.py turns an
+a status to OpenAI's error `type`. Does not know: HTTP frameworks (server/error_responses.py turns an
 APIError into an aiohttp response), the engine client's errors.
 """
 

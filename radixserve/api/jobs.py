@@ -19,8 +19,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from radixserve.api.api_keys import KeyLimits
 from radixserve.api.errors import APIError
-from radixserve.api.keys import KeyLimits
 from radixserve.api.lengths import (
     check_token_ids,
     choice_seed,

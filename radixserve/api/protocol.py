@@ -13,10 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
+from radixserve.api.api_keys import MAX_ABS_PRIORITY
 from radixserve.api.chat_messages import parse_messages, parse_template_options
 from radixserve.api.constraints.check import Check
 from radixserve.api.constraints.extra import EXTRA_CONSTRAINT_FIELDS, parse_extra_constraint
-from radixserve.api.constraints.native import NATIVE_CONSTRAINT_FIELDS, parse_native_constraint
+from radixserve.api.constraints.native_fields import (
+    NATIVE_CONSTRAINT_FIELDS,
+    parse_native_constraint,
+)
 from radixserve.api.constraints.response_format import parse_response_format
 from radixserve.api.fields import (
     bad,
@@ -28,9 +32,8 @@ from radixserve.api.fields import (
     is_int,
     parse_token_ids,
 )
-from radixserve.api.keys import MAX_ABS_PRIORITY
 from radixserve.api.prediction import parse_prediction
-from radixserve.api.tools.spec import ToolsSpec, parse_tools
+from radixserve.api.tools.tool_fields import ToolsSpec, parse_tools
 from radixserve.constraints import Constraint
 from radixserve.grammar.validate import check_constraint
 from radixserve.types import SamplingParams, TemplateOptions

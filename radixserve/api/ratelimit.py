@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.api.keys import KeyLimits
+from radixserve.api.api_keys import KeyLimits
 
 WINDOW_S = 60.0
 

@@ -7,7 +7,7 @@ requests, the page allocator (evict returns slots, the caller frees their pages)
 slot ids are plain ints it only checks for page alignment (page_allocator.whole_pages). The
 pure node helpers (child keys, span comparison, the matching descent and its splits) are in
 radix_walk.py, the per-node integrity census in radix_census.py; this class keeps every
-count, lock, queue entry and event. With tiers (cache/kv_tiers.py) an evicted node can stay in
+count, lock, queue entry and event. With tiers (cache/tiers/kv_tiers.py) an evicted node can stay in
 the tree offloaded (radix_offload.py): its KV then lives in a tier, not the pool.
 
 Layout: one root per salt (namespace), so two salts never share a node. Each node holds a span
@@ -40,12 +40,12 @@ from radixserve.cache.radix_types import (
     InsertResult,
     IntSeq,
     MatchResult,
+    Tier,
     TierHooks,
     TreeNode,
     to_array,
 )
 from radixserve.cache.radix_walk import child_key, has_pool_child, iter_nodes, path_concat, walk
-from radixserve.cache.tiers.keys import Tier
 
 __all__ = ["CacheEvent", "CacheEventKind", "InsertResult", "MatchResult", "RadixCache",
            "TreeNode"]

@@ -10,9 +10,8 @@ from __future__ import annotations
 from array import array
 from typing import NamedTuple
 
-from radixserve.cache.radix_types import TreeNode
+from radixserve.cache.radix_types import Tier, TreeNode
 from radixserve.cache.radix_walk import child_key, has_pool_child, iter_nodes
-from radixserve.cache.tiers.keys import Tier
 
 
 class Census(NamedTuple):

@@ -1,4 +1,4 @@
-"""The tree's side of the tiers below the pool (cache/kv_tiers.py): offloading an evicted node
+"""The tree's side of the tiers below the pool (cache/tiers/kv_tiers.py): offloading an evicted node
 (it stays in the tree with its tier and block keys), dropping offloaded nodes, and forgetting
 blocks the tiers no longer hold.
 
@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from radixserve.cache.eviction import EvictionQueue
-from radixserve.cache.radix_types import CacheEventKind, TierHooks, TreeNode
+from radixserve.cache.radix_types import CacheEventKind, Tier, TierHooks, TreeNode
 from radixserve.cache.radix_walk import child_key, iter_nodes, path_concat
-from radixserve.cache.tiers.keys import Tier
 
 
 class Offloading:

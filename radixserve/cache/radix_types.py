@@ -17,11 +17,18 @@ from typing import Any, NamedTuple, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from radixserve.cache.tiers.keys import Tier
-
 ChildKey: TypeAlias = "int | tuple[int, ...]"
 IntSeq: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"  # list, array('i'), numpy
 C_INT = np.intc  # the C int behind array('i')
+
+
+class Tier(Enum):
+    """Where a block's KV lives."""
+
+    POOL = "pool"
+    LOCAL = "local"
+    SHARED = "shared"
+
 
 
 def to_array(ids: IntSeq, n: int) -> array[int]:
@@ -105,7 +112,7 @@ class Demotion(NamedTuple):
 
 
 class TierHooks(Protocol):
-    """What the tree tells the tiers (cache/kv_tiers.py implements it). Both calls run on the
+    """What the tree tells the tiers (cache/tiers/kv_tiers.py implements it). Both calls run on the
     step thread while the node's pages still hold its KV; `tokens` / `slots` are the whole path
     from the root to the end of the node, whose own span starts at `start`."""
 

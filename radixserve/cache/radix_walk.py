@@ -15,8 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from radixserve.cache.radix_types import C_INT, ChildKey, IntSeq, TreeNode
-from radixserve.cache.tiers.keys import Tier
+from radixserve.cache.radix_types import C_INT, ChildKey, IntSeq, Tier, TreeNode
 
 
 def child_key(key: IntSeq, start: int, page_size: int) -> ChildKey:

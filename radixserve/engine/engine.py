@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.cache.kv_tiers import KVTiers
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
+from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.tiers_setup import build_tiers, pool_medium

@@ -24,15 +24,15 @@ from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.varlen import token_offsets
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
-from radixserve.cpu_malloc import keep_freed_memory
-from radixserve.cpu_threads import choose_num_threads
 from radixserve.engine.sampler import Sampler, SampleResult
+from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
 from radixserve.model.rope import RotaryTable
-from radixserve.model.spec import ModelSpec, read_model_spec
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
+from radixserve.platform.cpu_malloc import keep_freed_memory
+from radixserve.platform.cpu_threads import choose_num_threads
 from radixserve.sched.req import Batch, Req
 from radixserve.types import Phase
 
@@ -114,7 +114,7 @@ class ModelRunner:
         if self.device.type == "cpu" and keep_freed_memory():
             logger.info("malloc: freed memory kept in the heap (RADIXSERVE_DEFAULT_MALLOC=1: off)")
         self.resolved: ResolvedModel = resolve_model(cfg.model)
-        self.spec: ModelSpec = read_model_spec(self.resolved.hf_dir)
+        self.spec: ModelArch = read_model_spec(self.resolved.hf_dir)
         self.max_model_len = min(cfg.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         if cfg.max_model_len and cfg.max_model_len > self.spec.max_position_embeddings:

@@ -59,7 +59,7 @@ class Sampler:
                drafts: list[tuple[int, ...]] | None = None) -> SampleResult:
         """logits: (R, vocab) float32, in order: one row per request, or with `drafts`
         1 + len(drafts[i]) rows for request i (row j: its next token after drafts[i][:j];
-        speculative verification, see spec/acceptance.py). Returns one token per row."""
+        speculative verification, see speculative/acceptance.py). Returns one token per row."""
         raw = logits
         offsets = [0] * len(reqs)
         if drafts is not None and any(drafts):
@@ -147,7 +147,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
                 # Seeded by the position sampled, so a drafted position draws what a plain
-                # step at that position would (spec/acceptance.py relies on it).
+                # step at that position would (speculative/acceptance.py relies on it).
                 g = torch.Generator(device=probs.device)
                 g.manual_seed((r.params.seed * 1_000_003 + r.num_tokens + offsets[i]) % (2**63))
                 out[i] = torch.multinomial(probs[i], 1, generator=g)[0]

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import xxhash
 
-from radixserve.cache.kv_tiers import KVTiers, TierSettings, fingerprint
-from radixserve.cache.tier_io import KVCodec
+from radixserve.cache.tiers.block_io import KVCodec
+from radixserve.cache.tiers.kv_tiers import KVTiers, TierSettings, fingerprint
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.kv_events import MEDIUM_CPU, MEDIUM_GPU
+from radixserve.kv_events.publisher import MEDIUM_CPU, MEDIUM_GPU
 
 GIB = 1 << 30
 

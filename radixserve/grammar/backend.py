@@ -20,7 +20,7 @@ from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.constraints import Constraint
-from radixserve.grammar.spec import grammar_text
+from radixserve.grammar.grammar_text import grammar_text
 
 
 class GrammarError(ValueError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from llguidance import LLMatcher
 
 from radixserve.constraints import Constraint
-from radixserve.grammar.spec import grammar_text
+from radixserve.grammar.grammar_text import grammar_text
 from radixserve.types import InvalidRequestError
 
 _WHAT = {

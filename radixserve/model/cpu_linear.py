@@ -12,7 +12,7 @@ residual adds. The packed tensor replaces the plain weight: one copy in memory. 
 faster than `F.linear` on the same weights for decode steps and prefill chunks, fp32 and
 bf16 (figures: bench/README.md). fp32 results differ from `F.linear`'s in the last bits
 (another accumulation order, ~5e-6 absolute on unit-scale outputs); the greedy tokens of the
-HF parity tests stay identical (tests/test_model_parity.py runs with it on).
+HF parity tests stay identical (tests/model/test_parity.py runs with it on).
 Plain `F.linear` where prepacking does not apply: CUDA, other dtypes, a torch build without
 oneDNN (or bf16 support in it), or `prepack=False`.
 """

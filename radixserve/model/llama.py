@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.model.arch import ModelArch
 from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
 from radixserve.model.int8_kernel import load_int8_gemm
 from radixserve.model.norm_rope import load_norm_rope
 from radixserve.model.quant import Int8Linear
 from radixserve.model.rope import RotaryTable
-from radixserve.model.spec import ModelSpec
 from radixserve.model.weights import ModelWeights
 
 
@@ -36,7 +36,7 @@ class _Layer:
 
 
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable,
+    def __init__(self, spec: ModelArch, weights: ModelWeights, rotary: RotaryTable,
                  backend: AttentionBackend, quantization: str | None = None,
                  quantize_lm_head: bool = True) -> None:
         self.spec = spec

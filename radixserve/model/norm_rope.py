@@ -86,7 +86,7 @@ def load_norm_rope(device: torch.device) -> NormRope:
 def _rms_norm_native_below_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float
                                 ) -> torch.Tensor:
     """fp32 keeps torch's RMSNorm: the native op adds the squares in another order (a few
-    ulps), and an int8 model's greedy tokens flipped on that (tests/test_quant.py); with the
+    ulps), and an int8 model's greedy tokens flipped on that (tests/model/test_quant.py); with the
     pages kept (cpu_malloc.py) torch's fp32 form is cheap enough."""
     if x.dtype == torch.float32:
         return rms_norm_reference(x, weight, eps)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from radixserve.model.spec import RopeSpec
+from radixserve.model.arch import RopeSpec
 
 
 def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:

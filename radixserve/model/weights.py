@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from radixserve.model.spec import ModelSpec
+from radixserve.model.arch import ModelArch
 from radixserve.model_source import ModelLoadError
 
 
@@ -57,7 +57,7 @@ def _read_all(hf_dir: Path, show_progress: bool) -> dict[str, torch.Tensor]:
 
 
 def load_weights(
-    hf_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+    hf_dir: Path, spec: ModelArch, dtype: torch.dtype, device: torch.device,
     show_progress: bool = True,
 ) -> ModelWeights:
     raw = _read_all(hf_dir, show_progress)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from radixserve.config import EngineConfig, SchedulePolicy
 from radixserve.grammar.compiler import CompileFailed, GrammarCompiler
 from radixserve.sched.memory import MemoryManager
-from radixserve.sched.policy import order_waiting, shares_uncached_prefix
+from radixserve.sched.queue_policy import order_waiting, shares_uncached_prefix
 from radixserve.sched.req import Batch, Req, ScheduledReq
 from radixserve.sched.speculation import Speculation
 from radixserve.sched.tier_loads import TierLoads

@@ -17,7 +17,7 @@ from radixserve.types import FinishReason, Phase, SamplingParams
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import TreeNode
     from radixserve.grammar.backend import Matcher
-    from radixserve.spec.drafter import SpecState
+    from radixserve.speculative.drafter import SpecState
 
 
 class ReqStatus(enum.Enum):

@@ -31,10 +31,11 @@ import time
 from collections import deque
 from typing import Any
 
-from radixserve.cache.kv_tiers import KVTiers
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
+from radixserve.config.speculative_config import SpeculativeConfig
 from radixserve.grammar.compiler import GrammarCompiler
 from radixserve.sched.counters import EngineCounters
 from radixserve.sched.memory import MemoryManager
@@ -44,7 +45,6 @@ from radixserve.sched.req import Batch, Req, ReqStatus
 from radixserve.sched.request_rules import checked_max_new_tokens, stop_reason
 from radixserve.sched.speculation import Speculation
 from radixserve.sched.tier_loads import TierLoads
-from radixserve.spec.config import SpeculativeConfig
 from radixserve.types import (
     FinishReason,
     InvalidRequestError,
@@ -188,7 +188,7 @@ class Scheduler:
     def process_outputs(self, batch: Batch, token_ids: list[int],
                         logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
         """One token per sampled row: one per request with `sample` set, or 1 + len(draft)
-        for a request with a draft (its verification: spec/acceptance.py)."""
+        for a request with a draft (its verification: speculative/acceptance.py)."""
         outputs = self.drain_aborted()
         sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=True))
         self.counters.computed_tokens += batch.num_tokens

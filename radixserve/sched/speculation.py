@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.config.speculative_config import SpeculativeConfig
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.req import Batch, Req
-from radixserve.spec.acceptance import DraftGate, accept_prefix
-from radixserve.spec.config import SpeculativeConfig
-from radixserve.spec.drafter import Drafter, DraftRequest
+from radixserve.speculative.acceptance import DraftGate, accept_prefix
+from radixserve.speculative.drafter import Drafter, DraftRequest
 from radixserve.types import Phase, TokenOutput
 
 

@@ -7,7 +7,7 @@ its grammar (the batch keeps stepping); when the load ends, the loaded tokens en
 and the request is admitted as an ordinary pool hit, so admission, chunking and the page
 invariant stay as they are. Pages are held by the load, not the request (the request holds
 nothing while it waits). The scheduler owns this object, as it owns every other lock on the
-tree. Does not know: files, payloads (cache/kv_tiers.py), batches.
+tree. Does not know: files, payloads (cache/tiers/kv_tiers.py), batches.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from radixserve.cache.kv_tiers import KVTiers, TierHit
 from radixserve.cache.radix_cache import TreeNode
-from radixserve.cache.tier_io import LoadDone
+from radixserve.cache.tiers.block_io import LoadDone
+from radixserve.cache.tiers.kv_tiers import KVTiers, TierHit
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.req import Req
 

@@ -18,13 +18,13 @@ from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
-from radixserve.kv_events import KVEventPublisher
-from radixserve.kv_events_zmq import zmq_lifecycle
+from radixserve.kv_events.publisher import KVEventPublisher
+from radixserve.kv_events.zmq_stream import zmq_lifecycle
 from radixserve.server.access.body import BODY_TIMEOUT_KEY
 from radixserve.server.access.middleware import auth_middleware, rate_limit_headers
 from radixserve.server.access.send import SEND_TIMEOUT_KEY, bounded_send
 from radixserve.server.app_state import STATE_KEY, ServerState
-from radixserve.server.errors import APIError, error_response, to_api_error
+from radixserve.server.error_responses import APIError, error_response, to_api_error
 from radixserve.server.metrics_compat import VllmCompatCollector
 from radixserve.server.routes.cache import add_cache_routes
 from radixserve.server.routes.kv_events import setup_kv_events

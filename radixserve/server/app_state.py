@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from radixserve.api.api_keys import KeyLimits
 from radixserve.api.constraints.check import ConstraintChecker
 from radixserve.api.jobs import ChoiceJob, JobCaps, make_jobs, merge_streams, tightest
-from radixserve.api.keys import KeyLimits
 from radixserve.api.protocol import PromptInput, RequestOptions
 from radixserve.api.tools.parsers import get_format
 from radixserve.api.tools.prompt import supports_tools
-from radixserve.api.tools.spec import ToolsSpec
+from radixserve.api.tools.tool_fields import ToolsSpec
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server import prompts
@@ -35,7 +35,7 @@ from radixserve.server.access.body import read_json as read_json  # re-exported 
 from radixserve.server.access.deadline import deadline_events
 from radixserve.server.access.limits import Admission, Ticket, displaceable
 from radixserve.server.choice_stream import ChoiceChunk, stream_choice
-from radixserve.server.errors import APIError
+from radixserve.server.error_responses import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.types import TemplateOptions
 

@@ -20,7 +20,7 @@ from radixserve.api.lengths import check_token_ids
 from radixserve.api.protocol import PromptInput
 from radixserve.api.tools.parsers import CallFormat
 from radixserve.api.tools.prompt import template_messages
-from radixserve.api.tools.spec import ToolsSpec
+from radixserve.api.tools.tool_fields import ToolsSpec
 from radixserve.types import TemplateOptions
 
 OFFLOAD_CHARS = 2048  # tokenize longer inputs in a thread so one huge prompt stalls no one

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from radixserve.server.access.send import send_within
-from radixserve.server.errors import APIError, to_api_error
+from radixserve.server.error_responses import APIError, to_api_error
 
 logger = logging.getLogger("radixserve.server")
 

@@ -4,7 +4,7 @@ over a simulated prefix cache, with no model.
 Owns: the simulation. Prefill is serialized per replica (one accelerator) and costs
 `prefill_s_per_token` per UNCACHED prompt token; decode streams `max_tokens` tokens
 `decode_s_per_token` apart, concurrently. The cache is an LRU of block hashes (the real
-`radixserve.kv_events.block_hashes` chain, salted per API key like the server) whose changes
+`radixserve.kv_events.publisher.block_hashes` chain, salted per API key like the server) whose changes
 go to a real `KVEventPublisher` behind the real `/kv_events` route, so precise mode is
 exercised end to end. Answers carry `usage.prompt_tokens_details.cached_tokens` and an
 `X-Fake-Replica` header naming the replica. Does not know: the router.
@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from radixserve.api.keys import cache_salt_for_api_key
-from radixserve.kv_events import (
+from radixserve.api.api_keys import cache_salt_for_api_key
+from radixserve.kv_events.publisher import (
     AllBlocksCleared,
     BlockEvent,
     BlockRemoved,

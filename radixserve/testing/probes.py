@@ -8,7 +8,7 @@ anything it does not read; it never mutates what it probes.
 from __future__ import annotations
 
 from radixserve.ipc.client import EngineClient
-from radixserve.kv_events import KVEventPublisher, is_pool_medium
+from radixserve.kv_events.publisher import KVEventPublisher, is_pool_medium
 
 
 def num_live_blocks(publisher: KVEventPublisher) -> int:

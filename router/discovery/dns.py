@@ -17,7 +17,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 
-from router.discovery.config import DiscoveryConfig
+from router.discovery.discovery_config import DiscoveryConfig
 from router.discovery.membership import Membership, Target
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
-from router.discovery.config import DiscoveryConfig
+from router.discovery.discovery_config import DiscoveryConfig
 from router.discovery.dns import worker_url
 from router.discovery.membership import Membership, Target
 

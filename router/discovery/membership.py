@@ -21,9 +21,9 @@ import logging
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from router.canary import SplitUpdateError
 from router.config import STABLE_GROUP
-from router.routing import Router
+from router.fleet.canary import SplitUpdateError
+from router.routing.core import Router
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.api.constraints.check import Check
-from radixserve.api.constraints.native import constraint_of
+from radixserve.api.constraints.native_fields import constraint_of
 from radixserve.api.fields import bad
 from radixserve.constraints import Constraint
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.api.tools.parsers import CallFormat
-from radixserve.api.tools.spec import ToolsSpec
+from radixserve.api.tools.tool_fields import ToolsSpec
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 

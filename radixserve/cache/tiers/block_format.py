@@ -22,7 +22,7 @@ import struct
 
 import xxhash
 
-from radixserve.cache.tiers.keys import MissReason
+from radixserve.cache.tiers.block_keys import MissReason
 
 MAGIC = b"RXKV"
 FORMAT_VERSION = 1

@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixserve.cache.radix_types import Tier
 from radixserve.cache.tiers import block_format
-from radixserve.cache.tiers.keys import (
+from radixserve.cache.tiers.block_keys import (
     Fingerprint,
     LoadResult,
     MissReason,
     StoreStatus,
-    Tier,
     is_key,
 )
 from radixserve.cache.tiers.lru_index import IndexedStore

@@ -19,12 +19,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from radixserve.cache.tiers.keys import (
+from radixserve.cache.radix_types import Tier
+from radixserve.cache.tiers.block_keys import (
     Fingerprint,
     LoadResult,
     MissReason,
     StoreStatus,
-    Tier,
 )
 from radixserve.cache.tiers.lru_index import IndexedStore
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 
-from radixserve.cache.tiers.keys import StoreStatus, Tier, TierStats
+from radixserve.cache.radix_types import Tier
+from radixserve.cache.tiers.block_keys import StoreStatus, TierStats
 
 
 class LruIndex:

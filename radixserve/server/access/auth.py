@@ -3,10 +3,10 @@
 Owns: key verification (constant-time over sha256 digests, every configured key checked, so
 timing reveals neither which key matched nor how much of it), the key table (from `--api-key`
 flags and `--api-keys-file`, swapped whole on reload so a request in flight keeps the entry it
-was admitted with), and the caller's cache salt (radixserve/api/keys.py computes it). Only
+was admitted with), and the caller's cache salt (radixserve/api/api_keys.py computes it). Only
 digests are kept; a request's plaintext key lives as long as its salt is computed. Does not
 know: routes (the app decides which paths are public), the engine, the limits' enforcement
-(limits.py), the keys file's format (radixserve/api/keys.py).
+(limits.py), the keys file's format (radixserve/api/api_keys.py).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixserve.api.keys import (
+from radixserve.api.api_keys import (
     KeyEntry,
     KeyLimits,
     cache_salt_for_api_key,
     digest_key,
     load_keys_file,
 )
-from radixserve.server.errors import APIError
+from radixserve.server.error_responses import APIError
 
 ANONYMOUS = ""  # the name of every caller when no keys are configured
 NO_LIMITS = KeyLimits()

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from radixserve.api.ratelimit import RateLimiter
 from radixserve.server.access.auth import Caller
-from radixserve.server.errors import APIError
+from radixserve.server.error_responses import APIError
 
 RETRY_AFTER_S = 1
 T = TypeVar("T")

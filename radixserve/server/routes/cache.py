@@ -19,7 +19,7 @@ from aiohttp import web
 from radixserve.api.fields import bad, check_fields, get_float, parse_token_ids
 from radixserve.ipc.messages import ListPinsMsg, PinMsg, UnpinMsg
 from radixserve.server.app_state import STATE_KEY, ServerState, read_json, request_caller
-from radixserve.server.errors import APIError, json_response
+from radixserve.server.error_responses import APIError, json_response
 
 PIN_FIELDS = frozenset({"text", "input_ids", "ttl", "tenant_key"})
 UNPIN_FIELDS = frozenset({"pin_id", "text", "input_ids", "tenant_key"})

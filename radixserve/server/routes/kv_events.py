@@ -3,7 +3,7 @@
 Owns: the SSE framing and the replay-then-follow loop. Does not know: where events come from
 (the server feeds the `KVEventPublisher` stored under `KV_EVENTS_PUBLISHER_KEY`).
 
-Stream: `data: {EventBatch JSON}\\n\\n` per batch (format in radixserve/kv_events.py), first
+Stream: `data: {EventBatch JSON}\\n\\n` per batch (format in radixserve/kv_events/publisher.py), first
 every batch after `since` (or one snapshot batch when the buffer no longer reaches back that
 far), then new batches as they are published, and a `: keepalive` comment line whenever
 `publisher.keepalive_s` passes without one, so a subscriber can time out a dead connection.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from radixserve.kv_events import KVEventPublisher, encode_batch
+from radixserve.kv_events.publisher import KVEventPublisher, encode_batch
 
 KV_EVENTS_PUBLISHER_KEY: web.AppKey[KVEventPublisher] = web.AppKey(
     "kv_events_publisher", KVEventPublisher

@@ -23,7 +23,7 @@ from radixserve.api.protocol import parse_generate
 from radixserve.ipc.client import EngineState
 from radixserve.server.app_state import PREVIEW_FIELD, STATE_KEY, read_json
 from radixserve.server.choice_stream import ChoiceChunk
-from radixserve.server.errors import APIError, json_response
+from radixserve.server.error_responses import APIError, json_response
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.sse import write_sse
 

@@ -21,7 +21,7 @@ from radixserve.api.tools.parsers import CallFormat
 from radixserve.api.tools.stream import TOOL_CALLS_FINISH, ChatToolStream, tool_message
 from radixserve.server.app_state import PREVIEW_FIELD, STATE_KEY, ServerState, read_json
 from radixserve.server.choice_stream import ChoiceChunk
-from radixserve.server.errors import json_response
+from radixserve.server.error_responses import json_response
 from radixserve.server.sse import write_sse
 from radixserve.types import TokenLogprobs
 

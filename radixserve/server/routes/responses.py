@@ -31,7 +31,7 @@ from radixserve.api.tools.parsers import CallFormat
 from radixserve.api.tools.stream import ChatToolStream, tool_message
 from radixserve.server.app_state import read_json
 from radixserve.server.choice_stream import ChoiceChunk
-from radixserve.server.errors import json_response
+from radixserve.server.error_responses import json_response
 from radixserve.server.routes.openai import Usage, chat_jobs, chat_logprobs, start_request
 from radixserve.server.sse import write_sse
 from radixserve.types import SamplingParams

@@ -19,9 +19,9 @@ from aiohttp import web
 from radixserve.api.chat_messages import parse_messages, parse_template_options
 from radixserve.api.fields import bad, check_fields, get_bool, parse_token_ids
 from radixserve.api.lengths import check_token_ids
-from radixserve.api.tools.spec import parse_tools
+from radixserve.api.tools.tool_fields import parse_tools
 from radixserve.server.app_state import STATE_KEY, read_json
-from radixserve.server.errors import json_response
+from radixserve.server.error_responses import json_response
 
 _COMMON = frozenset({"model", "return_token_strs", "add_special_tokens"})
 _PROMPT_FIELDS = _COMMON | {"prompt"}

@@ -1,0 +1,153 @@
+"""EngineConfig: the engine process's settings (model, dtype, pool, scheduling, tiers,
+speculation), frozen and validated once at the edge.
+
+Owns: validation of the engine's flags. Does not know: argparse (cli.py builds it), the
+model's own config.json (model/arch.py reads it).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.config.parsing import ConfigError
+from radixserve.config.speculative_config import SpeculativeConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class SchedulePolicy(enum.StrEnum):
+    """Order of the waiting queue (sched/queue_policy.py); the values are the CLI's strings."""
+
+    LPM = "lpm"  # longest prefix match first (with an age guard)
+    FCFS = "fcfs"  # arrival order
+
+
+SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
+EVICTION_POLICIES = ("lru", "slru")
+KV_OFFLOAD_WRITE_POLICIES = ("write_back", "write_through")
+TIER_BLOCK_SIZE = 16  # tier blocks are kv_events' blocks
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    # auto: bfloat16 on CUDA, on CPUs with AMX, and on AVX512-BF16 CPUs where a start-up
+    # matmul measures it faster than fp32; else float32 (model/auto_dtype.py)
+    dtype: str = "auto"
+    quantization: str | None = None  # "int8": int8 weights for every linear layer
+    device: str = "auto"  # auto: cuda if available else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped)
+    kv_cache_tokens: int | None = None  # default: sized from free memory
+    page_size: int = 1
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # token budget of one prefill batch
+    chunked_prefill_size: int = 2048  # 0 disables chunking
+    # While requests decode, prefill chunks (up to chunked_prefill_size tokens) share their
+    # forward (MIXED steps); False: decode and prefill steps alternate.
+    mixed_chunk: bool = True
+    schedule_policy: SchedulePolicy = SchedulePolicy.LPM  # a string is parsed at the edge
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    enable_kv_events: bool = False
+    eviction_policy: str = "lru"  # slru: prefixes hit more than once outlive one-off prompts
+    # Fraction of the KV pool a tenant (API key) may keep cached before eviction takes from it
+    # first; None: no quotas.
+    tenant_cache_quota: float | None = None
+    # Pinned prefixes (POST /cache/pin) may lock at most this many tokens; None: a quarter of
+    # the KV pool, so pins can never starve serving.
+    max_pinned_tokens: int | None = None
+    # vLLM's --speculative-config (JSON text or a dict here, parsed into SpeculativeConfig);
+    # None: no server-wide drafting (a request's own `prediction` still drafts).
+    speculative_config: SpeculativeConfig | None = None
+    # Tiers below the pool (cache/tiers/kv_tiers.py). The local tier: files under this directory,
+    # bounded by kv_offload_size GiB (on CUDA with host memory of kv_offload_host_size GiB
+    # above the disk); the shared tier: a directory several replicas mount, written through.
+    kv_offload_dir: str | None = None
+    kv_offload_size: float = 16.0
+    kv_shared_dir: str | None = None
+    kv_offload_write_policy: str = "write_back"  # or write_through (bench/README.md)
+    kv_offload_host_size: float = 4.0
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offload_dir is not None or self.kv_shared_dir is not None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_offload_dir", "kv_shared_dir"):
+            value = getattr(self, name)
+            if value is not None:  # a Path is accepted (LLM(kv_offload_dir=tmp_path))
+                object.__setattr__(self, name, os.fspath(value))
+        self._parse_speculative()
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unsupported quantization {self.quantization!r}; supported: "
+                              f"{', '.join(QUANTIZATIONS)} (or none)")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ConfigError(
+                f"unknown schedule policy {self.schedule_policy!r}; "
+                f"supported: {', '.join(SCHEDULE_POLICIES)}"
+            )
+        object.__setattr__(self, "schedule_policy", SchedulePolicy(self.schedule_policy))
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"supported: {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ConfigError(f"kv_cache_tokens must be >= page_size, got {self.kv_cache_tokens}")
+        if self.max_running_requests < 1:
+            raise ConfigError("max_running_requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError("max_prefill_tokens must be >= 1")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction_policy!r}; "
+                              f"supported: {', '.join(EVICTION_POLICIES)}")
+        if self.tenant_cache_quota is not None and not 0 < self.tenant_cache_quota <= 1:
+            raise ConfigError(
+                f"tenant_cache_quota must be in (0, 1], got {self.tenant_cache_quota}")
+        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
+            raise ConfigError(f"max_pinned_tokens must be >= 0, got {self.max_pinned_tokens}")
+        if self.chunked_prefill_size < 0:
+            raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if not self.kv_offload_size > 0 or not self.kv_offload_host_size > 0:
+            raise ConfigError(f"kv_offload_size and kv_offload_host_size must be > 0 GiB, got "
+                              f"{self.kv_offload_size} and {self.kv_offload_host_size}")
+        if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
+            raise ConfigError(f"unknown kv_offload_write_policy "
+                              f"{self.kv_offload_write_policy!r}; supported: "
+                              f"{', '.join(KV_OFFLOAD_WRITE_POLICIES)}")
+        if not self.kv_tiers_enabled:
+            return
+        if TIER_BLOCK_SIZE % self.page_size:
+            raise ConfigError(f"--kv-offload-dir / --kv-shared-dir store {TIER_BLOCK_SIZE}-token "
+                              f"blocks: page_size must divide {TIER_BLOCK_SIZE}, got "
+                              f"{self.page_size}")
+        if self.disable_radix_cache:
+            raise ConfigError("--kv-offload-dir / --kv-shared-dir extend the radix cache: they "
+                              "cannot be used with --disable-radix-cache")
+        if self.kv_offload_dir is not None and self.kv_offload_dir == self.kv_shared_dir:
+            raise ConfigError("--kv-offload-dir and --kv-shared-dir must be different "
+                              "directories")
+
+    def _parse_speculative(self) -> None:
+        value: Any = self.speculative_config
+        if value is None:
+            return
+        # Built once at the edge: the flag's JSON or the offline API's dict becomes the frozen
+        # SpeculativeConfig (ConfigError when invalid).
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(value))

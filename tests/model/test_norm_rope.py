@@ -1,0 +1,129 @@
+"""The native RMSNorm and RoPE ops against the torch code they replace (their references),
+their input checks, the fallbacks, and the model using them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from radixserve.model import norm_rope
+from radixserve.model.arch import RopeSpec
+from radixserve.model.norm_rope import (
+    REFERENCE,
+    NormRope,
+    load_norm_rope,
+    rms_norm_reference,
+    rope_qk_reference,
+)
+from radixserve.model.rope import RotaryTable
+
+CPU = torch.device("cpu")
+
+
+def native() -> NormRope:
+    ops = load_norm_rope(CPU)
+    assert ops.native, "the ops must build where the tests run (gcc + ninja)"
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("hidden", [64, 576, 4096])
+def test_rms_norm_fp32_matches_hf_order_to_a_few_ulps(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=gen) * 3
+    w = torch.rand(hidden, generator=gen) + 0.5
+    native()  # built and registered
+    out = torch.ops.radixserve.rms_norm(x, w, 1e-5)
+    ref = rms_norm_reference(x, w, 1e-5)
+    assert out.dtype == torch.float32 and out.shape == (rows, hidden)
+    # the model keeps torch's exact form in fp32
+    assert torch.equal(native().rms_norm(x, w, 1e-5), ref)
+    # only the sum of squares is added in another order: a few ulps at most
+    assert torch.allclose(out, ref, rtol=5e-7, atol=0)
+    exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w
+    assert (out.double() - exact).abs().max() < 1e-5
+
+
+def test_rms_norm_bf16_matches_its_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 576, generator=gen) * 4).bfloat16()
+    w = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    out = native().rms_norm(x, w, 1e-6)
+    ref = rms_norm_reference(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16
+    # the same roundings; the fp32 scale can differ in its last bits, moving a rare value
+    # across a bf16 rounding boundary: one bf16 step at most
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7).all()
+    assert (out != ref).float().mean() < 0.01
+
+
+def test_rms_norm_strided_rows_and_nan() -> None:
+    gen = torch.Generator().manual_seed(4)
+    big = torch.randn(10, 200, generator=gen)
+    x = big[:, 8:72]  # rows 200 apart
+    w = torch.rand(64, generator=gen) + 0.5
+    x[3, 5] = float("nan")
+    native()  # built and registered
+    out = torch.ops.radixserve.rms_norm(x, w, 1e-5)
+    ref = rms_norm_reference(x.contiguous(), w, 1e-5)
+    assert torch.isnan(out[3]).all()
+    keep = torch.arange(10) != 3
+    assert torch.allclose(out[keep], ref[keep], rtol=5e-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_identical_to_the_torch_code(dtype: torch.dtype) -> None:
+    table = RotaryTable(RopeSpec(theta=10000.0), 64, 4096, dtype, CPU)
+    gen = torch.Generator().manual_seed(5)
+    pos = torch.randint(0, 4096, (257,), generator=gen)
+    cos, sin = table.lookup(pos)
+    # SmolLM2's layout: 9 q heads + 3 k heads rotated, 3 v heads after them untouched
+    qkv = torch.randn(257, 15 * 64, generator=gen).to(dtype)
+    out = native().rope_qk(qkv, cos, sin, 12)
+    assert out.shape == (257, 12, 64) and out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out, rope_qk_reference(qkv, cos, sin, 12))
+
+
+def test_rope_head_dim_128_and_strided_rows() -> None:
+    table = RotaryTable(RopeSpec(theta=500000.0), 128, 64, torch.float32, CPU)
+    pos = torch.arange(64).flip(0)
+    cos, sin = table.lookup(pos)
+    qkv = torch.randn(64, 2 * 6 * 128)[:, 128:]  # rows 1536 apart, 10 heads wide
+    out = native().rope_qk(qkv, cos, sin, 4)
+    assert torch.equal(out, rope_qk_reference(qkv, cos, sin, 4))
+
+
+def test_input_checks() -> None:
+    ops = native()
+    rms = torch.ops.radixserve.rms_norm
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        rms(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="x \\(T, H\\)"):
+        rms(torch.randn(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        rms(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
+    cos = torch.ones(3, 64)
+    with pytest.raises(RuntimeError, match="too narrow"):
+        ops.rope_qk(torch.randn(3, 128), cos, cos, 3)
+    with pytest.raises(RuntimeError, match="D even"):
+        ops.rope_qk(torch.randn(3, 128), torch.ones(3, 63), torch.ones(3, 63), 1)
+
+
+def test_disabled_by_environment_and_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_norm_rope(torch.device("cuda")) is REFERENCE
+    monkeypatch.setenv(norm_rope.ENV_DISABLE, "1")
+    assert load_norm_rope(CPU) is REFERENCE
+
+
+def test_build_failure_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    def broken(**_: object) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(norm_rope, "_registered", lambda: False)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
+    with caplog.at_level(logging.WARNING):
+        assert load_norm_rope(CPU) is REFERENCE
+    assert "CPU RMSNorm/RoPE kernels unavailable (RuntimeError: no compiler here)" in caplog.text

@@ -1,0 +1,30 @@
+"""Two routers in front of the same replicas (bench/router_agreement.py measures it): in
+precise mode with --router-replicas 2 they make the same choice for the same request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.common.router_trace import TraceConfig, pressure_trace
+from bench.router_agreement import measure
+
+pytestmark = pytest.mark.timeout(120)
+
+TRACE = TraceConfig(tenants=16, requests=160, prefix_len=256, suffix_len=32)
+
+
+async def test_two_precise_routers_agree_on_a_trace_under_eviction() -> None:
+    prompts = pressure_trace(TRACE, random.Random(1))
+    # 4 replicas x 48 blocks of 16 hold ~10 of the 16 prefixes: replicas evict.
+    share = await measure("precise", prompts, replicas=4, cache_blocks=48, concurrency=1)
+    assert share >= 0.99, share
+
+
+async def test_per_process_tie_breaks_make_routers_disagree() -> None:
+    # The same routers with --router-replicas 1 break ties by their own rotation.
+    prompts = pressure_trace(TRACE, random.Random(1))
+    share = await measure("precise", prompts, replicas=4, cache_blocks=48, concurrency=1,
+                          router_replicas=1)
+    assert share < 0.95, share

@@ -1,0 +1,38 @@
+"""The replica's `return_token_ids` (vLLM's field; the router resumes broken streams from it):
+streamed chunks carry every generated token id, and a choice's first chunk the prompt's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.server.test_app import GREEDY, TOKENIZER, call, serve, sse
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stream_carries_all_token_ids(model_dir: Path, path: str) -> None:
+    body = {"max_tokens": 7, "stream": True, "ignore_eos": True, **GREEDY,
+            "stream_options": {"include_usage": True}}
+    if path == "/v1/completions":
+        body["prompt"] = "héllo wörld, echoed"  # multi-byte: some tokens have no text alone
+    else:
+        body["messages"] = [{"role": "user", "content": "héllo wörld"}]
+    async with serve(model_dir) as tc:
+        plain = await sse(tc, path, body)
+        events = await sse(tc, path, {**body, "return_token_ids": True})
+        status, err = await call(tc, path, {**body, "return_token_ids": "yes"})
+    assert status == 400 and err["error"]["param"] == "return_token_ids"
+    assert all("token_ids" not in c for e in plain for c in e["choices"])
+    choices = [c for e in events for c in e["choices"]]
+    prompt_ids = [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c]
+    ids = [t for c in choices for t in c.get("token_ids", [])]
+    usage = events[-1]["usage"]
+    assert len(prompt_ids) == 1 and len(prompt_ids[0]) == usage["prompt_tokens"]
+    assert len(ids) == usage["completion_tokens"] == 7
+    assert ids == prompt_ids[0][:7]  # the fake engine echoes its prompt when greedy
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for c in choices)
+    assert text == TOKENIZER.decode(ids, skip_special_tokens=True)
