@@ -33,8 +33,13 @@ from triton_kernels.decode_attention import (
     decode_config,
 )
 from triton_kernels.extend_attention import _extend_kernel, extend_config
+from triton_kernels.fused_add_rmsnorm import _rmsnorm_kernel
+from triton_kernels.rope import _rope_kernel
+from triton_kernels.silu_mul import BLOCK as SILU_BLOCK
+from triton_kernels.silu_mul import _silu_mul_kernel
 from triton_kernels.store_kv import _store_kv_kernel
 
+FUSED_KERNELS = (_rmsnorm_kernel, _rope_kernel, _silu_mul_kernel)  # launched without FP fusion
 CUDA = torch.device("cuda")  # only its type is read: picks the GPU launch configs
 PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
@@ -95,11 +100,35 @@ def launches(c: Case) -> list[Launch]:
     ]
 
 
+def fused_launches(c: Case) -> list[Launch]:
+    """The elementwise kernels at this case's shapes (hidden = the q width, inter = 4 hidden)."""
+    t, q_heads = PTR[c.dtype], c.kv_heads * c.group
+    hidden = q_heads * c.head_dim
+    norm = {"x": t, "residual": t, "weight": t, "out": t, "eps": "fp32", "stride_x": "i32",
+            "stride_r": "i32", "stride_o": "i32"}
+    block = triton.next_power_of_2(hidden)
+    rope = {"qkv": t, "cos": t, "sin": t, "positions": "*i64", "k_cache": t, "v_cache": t,
+            "slots": "*i64", "stride_t": "i32"}
+    return [
+        *(Launch(_rmsnorm_kernel, norm, {"N": hidden, "BLOCK": block, "HAS_RESIDUAL": res},
+                 max(1, min(16, block // 256)), 3) for res in (False, True)),
+        *(Launch(_rope_kernel, rope,
+                 {"NUM_Q_HEADS": q_heads, "NUM_KV_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
+                  "BLOCK_HQ": triton.next_power_of_2(q_heads),
+                  "BLOCK_HK": triton.next_power_of_2(c.kv_heads),
+                  "BLOCK_HALF": triton.next_power_of_2(c.head_dim // 2), "STORE": store},
+                 4, 3) for store in (False, True)),
+        Launch(_silu_mul_kernel, {"gate_up": t, "out": t, "stride_g": "i32", "stride_o": "i32"},
+               {"INTER": 4 * hidden, "BLOCK_N": SILU_BLOCK}, 4, 3),
+    ]
+
+
 def compile_one(launch: Launch, arch: int) -> Any:
     names = launch.kernel.arg_names
     signature = {n: "constexpr" if n in launch.constexprs else launch.types[n] for n in names}
     src = ASTSource(launch.kernel, signature, constexprs=launch.constexprs)
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+               "enable_fp_fusion": launch.kernel not in FUSED_KERNELS}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -130,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for arch in args.arch:
         for case in CASES:
-            for launch in launches(case):
+            for launch in launches(case) + fused_launches(case):
                 compiled = compile_one(launch, arch)
                 line = (f"sm_{arch} {launch.kernel.__name__:<22} "
                         f"{str(case.dtype).removeprefix('torch.'):<9} d={case.head_dim:<4} "

@@ -1,7 +1,9 @@
 """Plain-torch versions of every kernel, with the same signatures and semantics.
 
 Owns: the ground truth the kernel tests and bench compare against (and a slow fallback).
-Computes in fp32 whatever the input dtype, loops over requests on the host; clarity over speed.
+Attention computes in fp32 whatever the input dtype; the elementwise ops (norm, RoPE, SiLU)
+round op by op in the input dtype as torch and HF do. Loops over requests on the host;
+clarity over speed.
 Does not know: Triton.
 """
 
@@ -77,3 +79,51 @@ def extend_attention_ref(
             qb, k_cache[slots], v_cache[slots], visible, scale
         )
     return out
+
+
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor,  # (T, hidden); overwritten with the normalized rows
+    residual: torch.Tensor | None,  # (T, hidden); overwritten with x + residual
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> torch.Tensor:  # x
+    """HF's LlamaRMSNorm after the residual add (none when residual is None), in place."""
+    dtype = x.dtype
+    if residual is not None:
+        residual.copy_(x + residual)  # rounds to the dtype once, as the decoder layer does
+    src = (x if residual is None else residual).float()
+    normed = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + eps)
+    x.copy_((normed.to(dtype).float() * weight.float()).to(dtype))
+    return x
+
+
+def rope_qk_store_ref(
+    qkv: torch.Tensor,  # (T, W): q heads, k heads, v heads, head_dim columns each
+    cos: torch.Tensor,  # (max_positions, head_dim)
+    sin: torch.Tensor,  # (max_positions, head_dim), first half negated
+    positions: torch.Tensor,  # (T,)
+    num_q_heads: int,
+    num_kv_heads: int,
+    caches: tuple[torch.Tensor, torch.Tensor] | None,  # (k_cache, v_cache)
+    slots: torch.Tensor | None,  # (T,)
+) -> None:
+    """rope_qk (caches None: q and k rotated in place) or rope_qk_store (q rotated in place,
+    rotated k and v written to the caches at `slots`, qkv's k left as it was)."""
+    d = cos.shape[1]
+    t = qkv.shape[0]
+    heads = num_q_heads + num_kv_heads
+    x = qkv[:, : heads * d].view(t, heads, d)
+    c, s = cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1)  # (T, 1, D)
+    rotated = x * c + torch.roll(x, d // 2, dims=-1) * s  # (T, heads, D), rounds per op
+    if caches is None:
+        x.copy_(rotated)
+        return
+    assert slots is not None
+    x[:, :num_q_heads] = rotated[:, :num_q_heads]
+    v = qkv[:, heads * d : (heads + num_kv_heads) * d].view(t, num_kv_heads, d)
+    store_kv_ref(caches[0], caches[1], rotated[:, num_q_heads:], v, slots)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * inter) -> (T, inter)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

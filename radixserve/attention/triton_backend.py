@@ -1,7 +1,8 @@
 """Attention backend on the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
 Owns: mapping one layer's forward onto triton_kernels: store this forward's K/V, then paged
-decode (split-K) or prefill (extend) attention. Does not know: the model, the scheduler, how slots are
+decode (split-K) or prefill (extend) attention; `attend` alone where the model stored the K/V
+itself (fused with RoPE: model/fused_forward.py). Does not know: the model, the scheduler, how slots are
 allocated. Reads only what AttentionMetadata carries; no host-device sync.
 """
 
@@ -33,6 +34,16 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # (T, Hq, D)
         store_kv(k_cache, v_cache, k, v, meta.out_slots)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k_cache: torch.Tensor,  # (num_slots, Hkv, D), this forward's K/V already stored
+        v_cache: torch.Tensor,  # (num_slots, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
         if meta.phase is Phase.DECODE:
             return decode_attention(
                 q, k_cache, v_cache, meta.slot_table, meta.rows, meta.seq_lens, scale,
