@@ -24,7 +24,6 @@ from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.types import Phase
 from tests.model.test_parity import hf_greedy, random_prompts
-from tests.tiny_models import make_tiny_model
 from triton_kernels.testing import device_or_error
 
 DEVICE, DEVICE_ERROR = device_or_error()
@@ -99,22 +98,21 @@ def greedy(model: LlamaModel, prompts: list[list[int]], steps: int
     return out, logits
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_hd16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # hidden 64, 4 query heads over 2 KV heads: head_dim 16 (the kernels' smallest).
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_fused"), "llama")
-
-
 @pytest.mark.usefixtures("runnable_kernels")
-def test_fused_forward_on_cpu_matches_the_default_cpu_path(tiny_llama_hd16: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])  # qwen2: a qkv bias
+def test_fused_forward_on_cpu_matches_the_default_cpu_path(fixture: str,
+                                                           request: pytest.FixtureRequest
+                                                           ) -> None:
+    """hidden 64, 2 layers, 4 query heads over 2 KV heads: head_dim 16 (the kernels' least)."""
     if DEVICE.type != "cpu":
         pytest.skip("the interpreter run; CUDA runs the gpu tests below")
+    model_dir = request.getfixturevalue(fixture)
     prompts = random_prompts([5, 11, 1], 250, seed=3)
-    default = build(tiny_llama_hd16, TorchAttentionBackend(load_paged_decode(),
-                                                           load_prefill_attention()),
+    default = build(model_dir, TorchAttentionBackend(load_paged_decode(),
+                                                     load_prefill_attention()),
                     torch.float32, CPU)
-    fused = build(tiny_llama_hd16, TritonAttentionBackend(2), torch.float32, CPU)
-    unfused = build(tiny_llama_hd16, TritonAttentionBackend(2), torch.float32, CPU, fused=False)
+    fused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU)
+    unfused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU, fused=False)
     assert default.fused is None and unfused.fused is None and fused.fused is not None
     want_tokens, want = greedy(default, prompts, 3)
     for model in (fused, unfused):
@@ -124,9 +122,9 @@ def test_fused_forward_on_cpu_matches_the_default_cpu_path(tiny_llama_hd16: Path
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"forward {step}")
 
 
-def test_fused_needs_a_backend_that_attends_over_stored_kv(tiny_llama_hd16: Path) -> None:
+def test_fused_needs_a_backend_that_attends_over_stored_kv(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="attend"):
-        build(tiny_llama_hd16, TorchAttentionBackend(), torch.float32, CPU, fused=True)
+        build(tiny_llama, TorchAttentionBackend(), torch.float32, CPU, fused=True)
 
 
 @pytest.mark.gpu
