@@ -10,8 +10,8 @@ rsqrt(mean + eps) run in fp32 on that rounded sum, the normalized row is rounded
 input dtype, then multiplied by the weight and rounded again. Only the order of the
 sum of squares differs from torch's reduction. Tolerances against
 `reference.fused_add_rmsnorm_ref` (tests/triton_kernels/test_fused_kernels.py): the new
-residual is bit-identical in every dtype; the output is within 1e-5 relative in fp32 and
-within one bf16 rounding step of the output's magnitude (rtol 2**-7) in bf16.
+residual is bit-identical in every dtype; the output is within rtol = atol = 1e-6 in fp32 and
+rtol = atol = 2**-7 (one bf16 rounding step) in bf16.
 FP contraction is off (`enable_fp_fusion=False`), so no product is fused into an FMA that
 torch would round separately.
 """

@@ -10,9 +10,9 @@ Convention (Llama's rotate-half, as radixserve.model.rope.RotaryTable stores it)
 are (max_positions, head_dim) tables indexed by each token's position, and `sin`'s first
 half is negated, so out = x * cos + roll(x, head_dim / 2) * sin, i.e. HF's
 x * cos + rotate_half(x) * sin product for product. Each product rounds to the input dtype
-before the sum (as torch's elementwise ops do), with FP contraction off, so fp32 results are
-torch's bit for bit and bf16 results differ only where the interpreter's or the GPU's
-rounding of a product differs (tests: fp32 rtol 1e-6, bf16 rtol 2**-7 of the magnitude).
+before the sum (as torch's elementwise ops do), with FP contraction off, so the results are
+`reference.rope_qk_store_ref`'s bit for bit in fp32 and in bf16 (the tests assert equality;
+a bf16 tolerance, if a GPU ever rounded differently, would be one rounding step: 2**-7).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"

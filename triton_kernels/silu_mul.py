@@ -4,8 +4,8 @@ Owns: the kernel and its wrapper. Does not know: the MLP's weights or the GEMMs 
 
 Numerics as torch's `F.silu(gate) * up`: silu in fp32 on the input, rounded to the input
 dtype, then the product (in fp32 of the two rounded operands) rounded again. exp may differ
-from torch's in the last fp32 bit, so tests allow fp32 rtol 1e-6 and, in bf16, one rounding
-step of the magnitude (rtol 2**-7) against `reference.silu_mul_ref`.
+from torch's in the last fp32 bits, so tests allow rtol = atol = 1e-6 in fp32 and
+rtol = atol = 2**-7 (one bf16 rounding step) in bf16 against `reference.silu_mul_ref`.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
