@@ -15,7 +15,6 @@ NOTE: triton_kernels is imported inside functions, after --interpret has set TRI
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -23,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from bench.common.interpret import turn_on_interpreter
 from bench.kernels import time_ms
 from radixserve.model.arch import RopeSpec
 from radixserve.model.norm_rope import rms_norm_reference, rope_qk_reference
@@ -139,10 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.interpret:
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("triton was imported before TRITON_INTERPRET could be set", file=sys.stderr)
+        if not turn_on_interpreter():
             return 1
-        os.environ["TRITON_INTERPRET"] = "1"
         run([1, 3], dtype, torch.device("cpu"), 0)
         return 0
     if not torch.cuda.is_available():
