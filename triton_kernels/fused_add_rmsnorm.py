@@ -46,7 +46,8 @@ def _rmsnorm_kernel(
         s = round_to(v + r, dtype)  # the new residual, rounded as torch's add rounds it
         tl.store(residual + row * stride_r + offs, s, mask=mask)
         v = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / N + eps)
+    # IEEE sqrt and division (tl.sqrt is the approximate one): the interpreter's results.
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(v * v, axis=0), N * 1.0) + eps))
     normed = round_to(v * rstd, dtype).to(tl.float32)  # HF rounds before the weight's multiply
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + row * stride_o + offs, round_to(normed * w, dtype), mask=mask)

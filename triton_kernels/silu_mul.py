@@ -33,7 +33,7 @@ def _silu_mul_kernel(gate_up, out, stride_g, stride_o, INTER: tl.constexpr,
     dtype = out.dtype.element_ty
     g = tl.load(gate_up + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up + row * stride_g + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    act = round_to(g / (1.0 + tl.exp(-g)), dtype).to(tl.float32)
+    act = round_to(tl.div_rn(g, 1.0 + tl.exp(-g)), dtype).to(tl.float32)  # IEEE division
     tl.store(out + row * stride_o + offs, round_to(act * u, dtype), mask=mask)
 
 
