@@ -9,7 +9,9 @@ tensors and shape-fixed host fields, as TritonAttentionBackend does (its split-K
 depends on the bucket size alone, its verify grid on the fixed draft length).
 
 Uncaptured (on CPU, in tests), forward() runs the model eagerly over the same padded buffers,
-so the padding path is exercised without a GPU.
+so the padding path is exercised without a GPU; with `fixed_meta` it also passes the
+capture-time metadata (all-padding host fields) as a replay would, which shows on CPU that
+the backend's results do not depend on them.
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def plan_graphs(cfg: EngineConfig, device: torch.device, backend_name: str) -> G
 class CudaGraphRunner:
     """Pads decode (and verify) steps to a bucket and replays that bucket's graph."""
 
-    def __init__(self, plan: GraphPlan, model: LlamaModel, pool: KVPool,
-                 vocab_size: int) -> None:
+    def __init__(self, plan: GraphPlan, model: LlamaModel, pool: KVPool, vocab_size: int,
+                 fixed_meta: bool = False) -> None:
         assert plan.enabled, plan.reason
         self.plan, self.model, self.pool = plan, model, pool
+        self.fixed_meta = fixed_meta
         self.static: dict[GraphKind, StaticInputs] = {
             GraphKind.DECODE: StaticInputs(plan.decode_sizes[-1], 1, pool.pad_row,
                                            pool.pad_slot, pool.slot_table)}
@@ -133,7 +136,7 @@ class CudaGraphRunner:
         keep = static.fill(inputs, key.bs)  # (N,) bucket rows to read
         graph = self.graphs.get(key)
         if graph is None:
-            self._run(static, key.bs, inputs.meta)
+            self._run(static, key.bs, None if self.fixed_meta else inputs.meta)
         else:
             graph.replay()
         self.num_steps[key.kind] += 1

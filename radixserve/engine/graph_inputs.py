@@ -63,12 +63,12 @@ def bucket_for(batch_size: int, sizes: Sequence[int]) -> int | None:
 
 def describe_sizes(sizes: Sequence[int]) -> str:
     """'1, 2, 4, 8, 16..256 every 8': what a start-up log line can hold."""
-    head = [s for s in sizes if s <= SIZE_STEP or s == sizes[-1]]
-    if len(head) == len(sizes):
-        return ", ".join(map(str, sizes))
-    small = [s for s in sizes if s <= SIZE_STEP]
-    rest = [s for s in sizes if s > SIZE_STEP]
-    return ", ".join([*map(str, small), f"{rest[0]}..{rest[-1]} every {SIZE_STEP}"])
+    small = [str(s) for s in sizes if s <= SIZE_STEP]
+    grid = [s for s in sizes if s > SIZE_STEP and s % SIZE_STEP == 0]
+    odd = [str(s) for s in sizes if s > SIZE_STEP and s % SIZE_STEP]
+    mid = ([f"{grid[0]}..{grid[-1]} every {SIZE_STEP}"] if len(grid) > 2
+           else [str(s) for s in grid])
+    return ", ".join(small + mid + odd)
 
 
 def strided_rows(extend_lens: torch.Tensor, cu_extend: torch.Tensor, num_tokens: int,

@@ -44,6 +44,9 @@ def test_batch_sizes_are_powers_to_8_then_every_8_up_to_the_max() -> None:
         graph_batch_sizes(0)
     assert describe_sizes(sizes) == "1, 2, 4, 8, 16..256 every 8"
     assert describe_sizes((1, 2, 3)) == "1, 2, 3"
+    assert describe_sizes(graph_batch_sizes(16)) == "1, 2, 4, 8, 16"
+    assert describe_sizes(graph_batch_sizes(30)) == "1, 2, 4, 8, 16, 24, 30"
+    assert describe_sizes(graph_batch_sizes(44)) == "1, 2, 4, 8, 16..40 every 8, 44"
 
 
 def test_every_batch_takes_the_smallest_bucket_that_holds_it() -> None:
@@ -164,28 +167,12 @@ def test_llm_accepts_the_flags_and_uses_no_graph_on_cpu(
 
 
 def pad_steps(llm: LLM, plan: GraphPlan) -> CudaGraphRunner:
-    """Route the engine's decode (and verify) steps through the padded buffers, uncaptured."""
+    """Route the engine's decode (and verify) steps through the padded buffers, uncaptured.
+    With the Triton backend (the graphs' own), with the capture-time metadata, as replayed."""
     r = llm.engine.runner
-    r.graphs = CudaGraphRunner(plan, r.model, r.pool, r.spec.vocab_size)
+    r.graphs = CudaGraphRunner(plan, r.model, r.pool, r.spec.vocab_size,
+                               fixed_meta=r.backend_name == "triton")
     return r.graphs
-
-
-def test_padded_decode_steps_give_the_unpadded_tokens(tiny_llama: Path) -> None:
-    """Five requests finishing at different steps: batches of 5, 4, 3, 2, 1 padded to buckets
-    8, 4, 4, 2, 1 (and stale tails overwritten) give the eager path's greedy tokens."""
-    prompts = random_prompts([3, 17, 40, 9, 64], 250, seed=2)
-    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
-              for i in range(5)]
-    got = []
-    for padded in (False, True):
-        llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=2048, device="cpu")
-        graphs = pad_steps(llm, GraphPlan(graph_batch_sizes(8))) if padded else None
-        got.append([o.token_ids for o in llm.generate(prompts, params)])
-        llm.engine.check_integrity()
-        assert llm.kv_stats()["kv_held_tokens"] == 0
-    assert got[1] == got[0]
-    assert [len(t) for t in got[1]] == [4, 7, 10, 13, 16]
-    assert graphs is not None and graphs.num_steps[GraphKind.DECODE] >= 12
 
 
 @pytest.fixture
@@ -196,12 +183,34 @@ def interpreter_device() -> torch.device:
         pytest.fail(str(e), pytrace=False)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_padded_decode_steps_give_the_unpadded_tokens(
+        tiny_llama: Path, backend: str, interpreter_device: torch.device) -> None:
+    """Five requests finishing at different steps: batches of 5, 4, 3, 2, 1 padded to buckets
+    8, 4, 4, 2, 1 (and stale tails overwritten) give the eager path's greedy tokens."""
+    prompts = random_prompts([3, 17, 40, 9, 64], 250, seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+              for i in range(5)]
+    device = "cpu" if backend == "torch" else interpreter_device.type
+    got = []
+    for padded in (False, True):
+        llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=2048, device=device,
+                  attention_backend=backend)
+        graphs = pad_steps(llm, GraphPlan(graph_batch_sizes(8))) if padded else None
+        got.append([o.token_ids for o in llm.generate(prompts, params)])
+        llm.engine.check_integrity()
+        assert llm.kv_stats()["kv_held_tokens"] == 0
+    assert got[1] == got[0]
+    assert [len(t) for t in got[1]] == [4, 7, 10, 13, 16]
+    assert graphs is not None and graphs.num_steps[GraphKind.DECODE] >= 12
+
+
 @pytest.mark.slow
 def test_padded_verify_steps_give_the_tokens_without_speculation(
         tiny_llama: Path, interpreter_device: torch.device) -> None:
     """Drafts of 0..3 tokens (a prediction with wrong tokens in it) verified in 4-token rows
     through the graph path's Triton kernels (the interpreter on CPU): the greedy tokens are
-    those of plain decoding, and every verify step took the padded buffers."""
+    those of plain decoding, and verify steps took the padded buffers."""
     prompts = random_prompts([12, 30, 7], 250, seed=5)
 
     def msgs(predictions: dict[str, list[int]] | None) -> list[GenerateMsg]:
