@@ -21,19 +21,23 @@ stage_setup() {
     echo "no .whl/ here: tests needing its packages will fail (bash ../shared/gpu/prepare.sh)"
   fi
 }
-# pytest-timeout comes from .whl/; a module whose imports are missing fails alone.
+# pytest_ TIMEOUT_ARGS ARGS...: pytest-timeout comes from .whl/ (its flags only where it is);
+# a test module whose imports are missing fails alone.
 pytest_() { $PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
   $($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout $1") "${@:2}"; }
 stage_gpu_tests() { pytest_ 120 -m gpu tests; }
 stage_bench_gpu() { $PY -m bench.gpu --out-dir "$OUT" ${BENCH_GPU_ARGS:-}; }
 stage_kernels() { $PY -m bench.kernels; }
 stage_e2e() {
-  pytest_ 60 tests/engine/test_grammar.py \
-    tests/server/test_e2e.py tests/server/test_tools_e2e.py tests/server/test_tools_named_e2e.py
+  pytest_ 60 tests/server/test_e2e.py tests/server/test_tools_e2e.py \
+    tests/server/test_tools_named_e2e.py; local rc=$?
+  # Last: its constrained-decoding test hung on CUDA once; the thread method dumps the stacks.
+  pytest_ "60 --timeout-method thread" tests/engine/test_grammar.py || rc=1
+  return $rc
 }
 
 export -f pytest_ stage_setup stage_gpu_tests stage_bench_gpu stage_kernels stage_e2e
-declare -A LIMIT=([setup]=60 [gpu_tests]=150 [bench_gpu]=240 [kernels]=45 [e2e]=60)
+declare -A LIMIT=([setup]=45 [gpu_tests]=150 [bench_gpu]=240 [kernels]=40 [e2e]=90)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(setup gpu_tests bench_gpu kernels e2e)
 for s in "${STAGES[@]}"; do
