@@ -89,6 +89,21 @@ def plan_graphs(cfg: EngineConfig, device: torch.device, backend_name: str) -> G
     return GraphPlan(decode, verify, spec.num_speculative_tokens + 1)
 
 
+def graph_key(plan: GraphPlan, batch: Batch) -> GraphKey | None:
+    """The graph a batch takes: a DECODE batch of at most the largest bucket, whose drafts
+    (if any) fit the verify graphs' length; None: run it eagerly."""
+    if batch.phase is not Phase.DECODE:
+        return None
+    if not batch.has_drafts:
+        bs = bucket_for(batch.size, plan.decode_sizes)
+        return None if bs is None else GraphKey(GraphKind.DECODE, bs)
+    stride = plan.verify_stride
+    if not stride or any(e.num_new_tokens > stride for e in batch.entries):
+        return None
+    bs = bucket_for(batch.size, plan.verify_sizes)
+    return None if bs is None else GraphKey(GraphKind.VERIFY, bs)
+
+
 class CudaGraphRunner:
     """Pads decode (and verify) steps to a bucket and replays that bucket's graph."""
 
@@ -115,18 +130,7 @@ class CudaGraphRunner:
         self.num_steps = dict.fromkeys(GraphKind, 0)
 
     def key_for(self, batch: Batch) -> GraphKey | None:
-        """The graph a batch takes: a DECODE batch of at most the largest bucket, whose
-        drafts (if any) fit the verify graphs' length; None: run it eagerly."""
-        if batch.phase is not Phase.DECODE:
-            return None
-        if not batch.has_drafts:
-            bs = bucket_for(batch.size, self.plan.decode_sizes)
-            return None if bs is None else GraphKey(GraphKind.DECODE, bs)
-        stride = self.plan.verify_stride
-        if not stride or any(e.num_new_tokens > stride for e in batch.entries):
-            return None
-        bs = bucket_for(batch.size, self.plan.verify_sizes)
-        return None if bs is None else GraphKey(GraphKind.VERIFY, bs)
+        return graph_key(self.plan, batch)
 
     def forward(self, key: GraphKey, inputs: StepInputs) -> torch.Tensor:
         """(N, vocab) float32 logits of inputs.logit_rows: the key's graph replayed over the

@@ -14,7 +14,13 @@ from radixserve import LLM
 from radixserve.attention.base import AttentionMetadata
 from radixserve.cli import build_config, build_parser
 from radixserve.config import ConfigError, EngineConfig
-from radixserve.engine.cuda_graph import MAX_VERIFY_BS, CudaGraphRunner, GraphPlan, plan_graphs
+from radixserve.engine.cuda_graph import (
+    MAX_VERIFY_BS,
+    CudaGraphRunner,
+    GraphPlan,
+    graph_key,
+    plan_graphs,
+)
 from radixserve.engine.graph_inputs import (
     GraphKind,
     StaticInputs,
@@ -25,6 +31,7 @@ from radixserve.engine.graph_inputs import (
 )
 from radixserve.engine.model_runner import StepInputs
 from radixserve.ipc.messages import GenerateMsg
+from radixserve.sched.req import Batch, Req, ScheduledReq
 from radixserve.types import Phase, SamplingParams
 from tests.model.test_parity import random_prompts
 from tests.speculative.test_engine import run, spec_stats, tokens
@@ -118,6 +125,25 @@ def test_a_verify_step_takes_stride_rows_per_request_and_pads_the_rest() -> None
     meta = s.meta(2)
     assert meta.phase is Phase.PREFILL and meta.max_extend_len == 4
     assert meta.out_slots.shape == (8,) and meta.cu_extend.shape == (3,)
+
+
+def test_which_batches_take_a_graph() -> None:
+    """Decode batches up to the largest bucket; verify batches whose drafts fit K; never
+    prefill or mixed steps."""
+    plan = GraphPlan(graph_batch_sizes(16), graph_batch_sizes(4), verify_stride=4)
+    req = Req("r", [1, 2, 3], 3, SamplingParams(), 8)
+
+    def batch(phase: Phase, n: int, draft: tuple[int, ...] = ()) -> Batch:
+        return Batch(phase, [ScheduledReq(req, 1 + len(draft), True, 0, draft)] * n)
+
+    assert graph_key(plan, batch(Phase.DECODE, 5)) == (GraphKind.DECODE, 8)
+    assert graph_key(plan, batch(Phase.DECODE, 16)) == (GraphKind.DECODE, 16)
+    assert graph_key(plan, batch(Phase.DECODE, 17)) is None
+    assert graph_key(plan, batch(Phase.DECODE, 3, (7, 8, 9))) == (GraphKind.VERIFY, 4)
+    assert graph_key(plan, batch(Phase.DECODE, 5, (7,))) is None  # past the verify buckets
+    assert graph_key(plan, batch(Phase.DECODE, 2, (7, 8, 9, 10))) is None  # a draft longer than K
+    assert graph_key(plan, batch(Phase.PREFILL, 2)) is None
+    assert graph_key(plan, batch(Phase.MIXED, 2)) is None
 
 
 def serve_config(argv: list[str]) -> EngineConfig:
