@@ -45,6 +45,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--schedule-policy", str, "schedule_policy", f"{' | '.join(SCHEDULE_POLICIES)}"),
     ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
     ("--seed", int, "seed", "engine random seed"),
+    ("--cuda-graph-max-bs", int, "cuda_graph_max_bs",
+     "largest decode batch replayed from a CUDA graph (default 256; CUDA only)"),
     ("--num-threads", int, "num_threads", "torch CPU threads"),
     ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
     ("--tenant-cache-quota", float, "tenant_cache_quota",
@@ -109,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most tokens pins may lock (default: a quarter of the KV pool)")
     serve.add_argument("--disable-radix-cache", action="store_true", default=None,
                        help="no prefix caching")
+    serve.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="no CUDA graphs: every step runs eagerly")
     serve.add_argument("--enable-kv-events", action="store_true", default=None,
                        help="publish cache block events on GET /kv_events")
     serve.add_argument("--shared-cache", action="store_true", default=None,
@@ -140,7 +144,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
-        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk"]
+        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
+        "enforce_eager"]
     engine_kwargs = given(engine_names)
     kv_zmq = None
     if args.kv_events_config is not None:

@@ -4,12 +4,17 @@ Owns: the device memory of the KV cache and of the (request row, token) -> slot 
 their sizing. Does not know: which slots are free (PageAllocator), which are cached
 (RadixCache), or which request holds what (the scheduler).
 
-Layout: k and v are (num_layers, num_slots, kv_heads, head_dim), one tensor each, so k[layer]
-is a view; slot = page * page_size + offset. slot_table[row, i] is the slot of token i of the
-request in `row`. The scheduler hands out the rows (numbers only); the model runner is the
-table's one writer: before each forward it writes the slots of the tokens the batch computes
-(and, for a new row or pages adopted from the tree, the older positions the batch entry
-names), then attention reads it. Entries past a request's length are stale.
+Layout: k and v are (num_layers, num_slots + 1, kv_heads, head_dim), one tensor each, so
+k[layer] is a view; slot = page * page_size + offset. slot_table[row, i] is the slot of token
+i of the request in `row`. The scheduler hands out the rows (numbers only); the model runner
+is the table's one writer: before each forward it writes the slots of the tokens the batch
+computes (and, for a new row or pages adopted from the tree, the older positions the batch
+entry names), then attention reads it. Entries past a request's length are stale.
+
+Padding (CUDA graphs, engine/graph_inputs.py): one slot past the allocator's range
+(`pad_slot`) and one table row past the scheduler's (`pad_row`, every entry `pad_slot`).
+A padding row of a fixed-shape batch stores its K/V at pad_slot and attends to it only, so
+it writes nothing a request reads; nothing else ever hands these out.
 """
 
 from __future__ import annotations
@@ -38,9 +43,13 @@ class KVPool:
                  max_reqs: int, max_model_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.size = size
-        shape = (num_layers, size.num_slots, num_kv_heads, head_dim)
+        self.pad_slot = size.num_slots
+        self.pad_row = max_reqs
+        shape = (num_layers, size.num_slots + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Zero-initialized so every entry is a valid slot index (the torch decode path
         # gathers a padded block and masks, so it reads past each request's length).
-        self.slot_table = torch.zeros((max_reqs, max_model_len), dtype=torch.int32, device=device)
+        self.slot_table = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int32,
+                                      device=device)
+        self.slot_table[self.pad_row] = self.pad_slot

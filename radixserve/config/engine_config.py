@@ -53,6 +53,11 @@ class EngineConfig:
     schedule_policy: SchedulePolicy = SchedulePolicy.LPM  # a string is parsed at the edge
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    # CUDA graphs for decode and draft-verify steps (engine/cuda_graph.py): SGLang's
+    # --cuda-graph-max-bs is the largest batch captured (larger ones run eager), vLLM's
+    # --enforce-eager captures none. Accepted on CPU, where no graph is used.
+    cuda_graph_max_bs: int = 256
+    enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     enable_kv_events: bool = False
@@ -109,6 +114,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_tokens must be >= page_size, got {self.kv_cache_tokens}")
         if self.max_running_requests < 1:
             raise ConfigError("max_running_requests must be >= 1")
+        if (isinstance(self.cuda_graph_max_bs, bool) or not isinstance(self.cuda_graph_max_bs, int)
+                or self.cuda_graph_max_bs < 1):
+            raise ConfigError(f"cuda_graph_max_bs must be an integer >= 1, got "
+                              f"{self.cuda_graph_max_bs!r} (--enforce-eager turns graphs off)")
         if self.max_prefill_tokens < 1:
             raise ConfigError("max_prefill_tokens must be >= 1")
         if self.eviction_policy not in EVICTION_POLICIES:

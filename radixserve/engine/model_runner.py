@@ -24,6 +24,7 @@ from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.varlen import token_offsets
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
+from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
@@ -140,6 +141,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(load_tokenizer(self.resolved.hf_dir),
                                            self.spec.eos_token_id)
         self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
+        # Last: the graphs read the pool's tensors and replay the model as it now is.
+        self.graphs: CudaGraphRunner | None = start_graphs(
+            cfg, self.device, self.backend_name, self.model, self.pool, self.spec.vocab_size)
 
     def _pool_size(self, cfg: EngineConfig) -> KVPoolSize:
         per_token = bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads,
@@ -267,8 +271,12 @@ class ModelRunner:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                    self.pool.k, self.pool.v, inputs.logit_rows)
+        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        if self.graphs is not None and key is not None:
+            logits = self.graphs.forward(key, inputs)
+        else:
+            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                        self.pool.k, self.pool.v, inputs.logit_rows)
         picked = [e for e in batch.entries if e.sample]
         if not picked:
             return SampleResult([], [])
