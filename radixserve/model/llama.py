@@ -11,12 +11,14 @@ Does not know: requests, the scheduler, sampling. Tokens of all requests are con
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.attention.kv_quant import KVScale
 from radixserve.model.arch import ModelArch
 from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
 from radixserve.model.int8_kernel import load_int8_gemm
@@ -79,6 +81,7 @@ class LlamaModel:
         k_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         v_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         logit_rows: torch.Tensor,  # (N,) which token rows need logits
+        kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
     ) -> torch.Tensor:  # (N, vocab) float32
         spec, norm, rope = self.spec, self.ops.rms_norm, self.ops.rope_qk
         eps = spec.rms_norm_eps
@@ -91,7 +94,8 @@ class LlamaModel:
             qk = rope(qkv, cos, sin, num_qk_heads)  # (T, heads + kv_heads, head_dim) rotated
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, qk_size:].view(-1, spec.num_kv_heads, spec.head_dim)
-            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale)
+            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale,
+                                        None if kv_scales is None else kv_scales[i])
             h = layer.o_proj.add_to(h, attn.reshape(-1, self.q_size))  # (T, hidden)
             h = layer.mlp(norm(h, layer.post_norm, eps), h)
         if logit_rows.shape[0] != h.shape[0]:
