@@ -55,7 +55,8 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
     quant = k_cache.dtype in FP8_KV_DTYPES
     assert quant == (k_scale is not None and v_scale is not None), (
         "k_scale and v_scale: given exactly when the KV cache is 8-bit")
-    assert quant or k_cache.dtype == dtype, f"KV cache {k_cache.dtype}, operands {dtype}"
+    assert quant or k_cache.dtype == dtype, (
+        f"the KV cache dtype {k_cache.dtype} differs from the operands' dtype {dtype}")
     if k_scale is not None and v_scale is not None:
         for s in (k_scale, v_scale):
             assert s.shape == (k_cache.shape[1],) and s.dtype == torch.float32, (
