@@ -125,6 +125,6 @@ def test_server_info_metrics_and_startup_log_name_the_format(tiny_llama: Path,
              if line.startswith("radixserve:kv_cache_total_bytes ")]
     assert len(gauge) == 1 and float(gauge[0].split()[1]) == info["kv_cache_bytes"]
     tokens = info["kv_cache_tokens"]
-    assert f"KV cache: dtype fp8 (float8_e4m3fn, scales per (layer, KV head) from calibration" \
+    assert "KV cache: dtype fp8 (float8_e4m3fn, scales per (layer, KV head) from calibration" \
            in srv.output()
     assert f"{tokens} tokens, {info['kv_cache_bytes']} bytes" in srv.output()
