@@ -4,9 +4,9 @@
 //
 // Through fp16 bits: e5m2 is fp16's upper byte; e4m3's exponent and mantissa shifted into
 // fp16's fields give 2^-8 of its value for normals and subnormals alike (fp16's exponent bias
-// is 8 larger), so one shift, one mask and vcvtph2ps per 16 values, times 256. torch's extension
-// loader hashes the sources, not this header: bump EXT_BASE in attention/cpu_kernels.py when it
-// changes.
+// is 8 larger), so a few integer instructions and vcvtph2ps per 16 values, times 256.
+// torch's extension loader hashes the sources, not this header: bump EXT_BASE in
+// attention/cpu_kernels.py when it changes.
 #pragma once
 
 #include <cstdint>
@@ -38,24 +38,35 @@ inline float to_float(uint8_t b) {
 
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define RS_FP8_AVX512 1
-// 16 bytes -> 16 fp32 lanes, e4m3 as 2^-8 of its value (the caller folds 256 into its scale:
-// that saves a multiply per vector). e4m3: b << 8 puts the sign at bit 15 and the other 7
-// bits at 8..14; an arithmetic shift right by one moves those to fp16's 7..13 and copies the
-// sign into bit 14, which the mask clears.
+// 32 bytes -> 32 fp32 values, e4m3 as 2^-8 of its value (load32_factor: the caller folds the
+// 256 into its scales; e4m3: b << 8 puts the sign at bit 15 and the other 7 bits at 8..14, an
+// arithmetic shift right by one moves those to fp16's 7..13 and copies the sign into bit 14,
+// which the mask clears), with few instructions per value:
+// unpacking the bytes against zeros puts each into the high half of a 16-bit lane (e5m2's
+// fp16 bits) in one instruction per 16, but in the order of vpunpck's 128-bit lanes, so
+// dst holds bytes 0-7, 16-23, 8-15, 24-31: dst[f] = value of p[permuted32(f)]. Callers
+// permute q the same way (a dot product does not change) and the output back.
 template <Format F>
-inline __m512 load16_scaled(const uint8_t* p) {
-  const __m256i w = _mm256_slli_epi16(
-      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+inline void load32_permuted(const uint8_t* p, float* dst) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i lo = _mm256_unpacklo_epi8(_mm256_setzero_si256(), x);
+  __m256i hi = _mm256_unpackhi_epi8(_mm256_setzero_si256(), x);
   if constexpr (F == Format::E4M3) {
-    return _mm512_cvtph_ps(
-        _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<short>(0xBF80))));
-  } else {
-    return _mm512_cvtph_ps(w);
+    const __m256i mask = _mm256_set1_epi16(static_cast<short>(0xBF80));
+    lo = _mm256_and_si256(_mm256_srai_epi16(lo, 1), mask);
+    hi = _mm256_and_si256(_mm256_srai_epi16(hi, 1), mask);
   }
+  _mm512_storeu_ps(dst, _mm512_cvtph_ps(lo));
+  _mm512_storeu_ps(dst + 16, _mm512_cvtph_ps(hi));
 }
-// What load16_scaled's values must be multiplied by.
+// The byte (within a 32-byte block) that load32_permuted puts at float f (an involution).
+inline int64_t permuted32(int64_t f) {
+  const int64_t group = (f >> 3) & 3;
+  return f + (group == 1 ? 8 : group == 2 ? -8 : 0);
+}
+// What load32_permuted's values must be multiplied by.
 template <Format F>
-constexpr float load16_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
+constexpr float load32_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #else
 #define RS_FP8_AVX512 0
 #endif

@@ -228,31 +228,39 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// decode_one_fp8 with AVX-512 for head dims that are whole vectors, in blocks of 16 keys: the
-// block's rows (all KV heads) are converted once into L1, then each query head's 16 scores
-// come from 16 dot products summed by sum16 (no horizontal sum per key), and its output
-// accumulators stay in registers over the block's 16 values.
+// decode_one_fp8 with AVX-512 for head dims that are multiples of 32, in blocks of 16 keys:
+// the block's rows (all KV heads) are converted once into L1 (load32_permuted: q is permuted
+// alike, the output permuted back), then each query head's 16 scores come from 16 dot
+// products summed by sum16 (no horizontal sum per key), and its output accumulators stay in
+// registers over the block's 16 values.
 template <int64_t D, typename T, radixserve_fp8::Format F>
 void decode_one_fp8_blocked(const T* q, const uint8_t* k, const uint8_t* v, const Geometry& g,
                             const float* k_scale, const float* v_scale, const int32_t* slots,
                             int64_t len, T* out, float* lse, std::vector<float>& work) {
-  static_assert(D % 16 == 0 && D > 0);
+  static_assert(D % 32 == 0 && D > 0);
   constexpr int64_t NV = D / 16, BLK = 16;
   const int64_t group = g.hq / g.hkv, row = g.hkv * D;
-  constexpr float factor = radixserve_fp8::load16_factor<F>();
+  constexpr float factor = radixserve_fp8::load32_factor<F>();
   work.resize(g.hq * len + 2 * g.hq * D + BLK * row);
   float* sc = work.data();
   float* qf = sc + g.hq * len;
   float* acc = qf + g.hq * D;
   float* rf = acc + g.hq * D;  // (BLK, Hkv * D): the block's rows, converted
+  using radixserve_fp8::permuted32;
   for (int64_t h = 0; h < g.hq; ++h)
     for (int64_t e = 0; e < D; ++e)
-      qf[h * D + e] = ld(q, h * D + e) * (g.scale * k_scale[h / group] * factor);
+      qf[h * D + e] = ld(q, h * D + (e & ~31) + permuted32(e & 31)) *
+                      (g.scale * k_scale[h / group] * factor);
   auto convert_block = [&](const uint8_t* base, int64_t sstride, int64_t t0, int64_t n) {
+    // The next block's rows are requested now: slots are scattered (pages), so the hardware
+    // prefetcher cannot guess them, and the conversion below hides their latency.
+    for (int64_t j = t0 + BLK; j < std::min(t0 + 2 * BLK, len); ++j)
+      for (int64_t c = 0; c < row; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * sstride + c), _MM_HINT_T0);
     for (int64_t j = 0; j < n; ++j) {
       const uint8_t* src = base + slots[t0 + j] * sstride;
-      for (int64_t c = 0; c < row; c += 16)
-        _mm512_storeu_ps(rf + j * row + c, radixserve_fp8::load16_scaled<F>(src + c));
+      for (int64_t c = 0; c < row; c += 32)
+        radixserve_fp8::load32_permuted<F>(src + c, rf + j * row + c);
     }
   };
   for (int64_t t0 = 0; t0 < len; t0 += BLK) {
@@ -294,7 +302,8 @@ void decode_one_fp8_blocked(const T* q, const uint8_t* k, const uint8_t* v, cons
   }
   for (int64_t h = 0; h < g.hq; ++h)
     for (int64_t e = 0; e < D; ++e)
-      st(out, h * D + e, acc[h * D + e] * (v_scale[h / group] * factor));
+      st(out, h * D + (e & ~31) + permuted32(e & 31),
+         acc[h * D + e] * (v_scale[h / group] * factor));
 }
 #endif
 
@@ -381,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
         const int32_t* sb = slots + rows_p[b] * lmax + starts_p[b];
         const int64_t len = lens_p[b] - starts_p[b];
 #if RS_FP8_AVX512
-        if constexpr (D != 0 && D % 16 == 0) {
+        if constexpr (D != 0 && D % 32 == 0) {
           decode_one_fp8_blocked<D, T, F>(qp + b * hq * d, kp, vp, geo, ksp, vsp, sb, len,
                                           op + b * hq * d, lsep + b * hq, work);
           continue;
