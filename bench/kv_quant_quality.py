@@ -10,7 +10,9 @@ tokens identical to auto's before the first divergence over auto's tokens, avera
 prompts that agree all the way). Log-likelihood: the mean log-probability of each token of a
 held-out text (not the calibration text) given the ones before it, computed in chunks of
 CHUNK tokens over a pool of the engine's format and scales, so that every token attends to
-stored (quantized) K/V as a decode step does; the relative difference to auto's.
+stored (quantized) K/V as a decode step does; the relative difference to auto's; and in the
+same pass the teacher-forced top-1 agreement: at every position of the held-out text, is the
+most likely next token auto's (unlike the greedy prefix, one near-tie flip costs one token).
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ def _meta(start: int, n: int, table: torch.Tensor) -> AttentionMetadata:
 
 
 @torch.inference_mode()
-def mean_loglik(llm: LLM, ids: list[int]) -> float:
-    """Mean log p(token | tokens before it) over ids[1:], in CHUNK-token forwards over a fresh
-    pool of the engine's storage dtype and scales (the engine's own pool is left alone)."""
+def mean_loglik(llm: LLM, ids: list[int]) -> tuple[float, list[int]]:
+    """Mean log p(token | tokens before it) over ids[1:], and the most likely next token at each
+    position, in CHUNK-token forwards over a fresh pool of the engine's storage dtype and scales
+    (the engine's own pool is left alone)."""
     r = llm.engine.runner
     n = len(ids)
     layers, _, hkv, d = r.pool.k.shape
@@ -108,6 +111,7 @@ def mean_loglik(llm: LLM, ids: list[int]) -> float:
     pool.slot_table[0] = torch.arange(n, dtype=torch.int32)
     tokens = torch.tensor(ids, device=r.device)
     total = 0.0
+    top: list[int] = []
     for start in range(0, n - 1, CHUNK):
         m = min(CHUNK, n - 1 - start)
         logits = r.model.forward(tokens[start : start + m], torch.arange(start, start + m),
@@ -115,7 +119,8 @@ def mean_loglik(llm: LLM, ids: list[int]) -> float:
                                  torch.arange(m), pool.layer_scales())  # (m, vocab)
         logp = torch.log_softmax(logits, dim=-1)
         total += logp.gather(1, tokens[start + 1 : start + m + 1, None]).sum().item()
-    return total / (n - 1)
+        top += logp.argmax(dim=-1).tolist()
+    return total / (n - 1), top
 
 
 def main() -> None:
@@ -134,16 +139,18 @@ def main() -> None:
     prompts = [encode_chat(tok, [{"role": "user", "content": c}]) for c in topics]
     held_out = tok.encode(HELD_OUT)
     ref = greedy(llms["auto"], prompts, args.max_tokens)
-    ll_auto = mean_loglik(llms["auto"], held_out)
+    ll_auto, top_auto = mean_loglik(llms["auto"], held_out)
     print(f"{args.model}, dtype {llms['auto'].engine.runner.dtype}, {len(prompts)} prompts x "
           f"{args.max_tokens} greedy tokens; held-out text {len(held_out)} tokens")
     print(f"{'kv-cache-dtype':<15} {'prefix agree':>12} {'all same':>9} {'mean loglik':>12} "
-          f"{'rel. diff':>9}")
-    print(f"{'auto':<15} {1.0:12.3f} {1.0:9.3f} {ll_auto:12.4f} {0.0:9.4f}")
+          f"{'rel. diff':>9} {'forced top-1':>12}")
+    print(f"{'auto':<15} {1.0:12.3f} {1.0:9.3f} {ll_auto:12.4f} {0.0:9.4f} {1.0:12.3f}")
     for f in FORMATS[1:]:
         prefix, same = agreement(ref, greedy(llms[f], prompts, args.max_tokens))
-        ll = mean_loglik(llms[f], held_out)
-        print(f"{f:<15} {prefix:12.3f} {same:9.3f} {ll:12.4f} {abs(ll - ll_auto) / abs(ll_auto):9.4f}")
+        ll, top = mean_loglik(llms[f], held_out)
+        forced = sum(a == b for a, b in zip(top, top_auto, strict=True)) / len(top)
+        print(f"{f:<15} {prefix:12.3f} {same:9.3f} {ll:12.4f} "
+              f"{abs(ll - ll_auto) / abs(ll_auto):9.4f} {forced:12.3f}")
 
 
 if __name__ == "__main__":
