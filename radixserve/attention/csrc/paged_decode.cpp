@@ -263,43 +263,43 @@ void decode_one_fp8_blocked(const T* q, const uint8_t* k, const uint8_t* v, cons
         radixserve_fp8::load32_permuted<F>(src + c, rf + j * row + c);
     }
   };
-  for (int64_t t0 = 0; t0 < len; t0 += BLK) {
-    const int64_t n = std::min(BLK, len - t0);
-    convert_block(k, g.sk, t0, n);
-    for (int64_t h = 0; h < g.hq; ++h) {
-      __m512 qv[NV];
-      for (int64_t c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qf + h * D + c * 16);
-      const float* kh = rf + (h / group) * D;
-      __m512 dots[BLK];
-      for (int64_t j = 0; j < BLK; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < n)
-          for (int64_t c = 0; c < NV; ++c)
-            a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kh + j * row + c * 16), a);
-        dots[j] = a;
-      }
-      _mm512_mask_storeu_ps(sc + h * len + t0, static_cast<__mmask16>((1u << n) - 1),
-                            sum16(dots));
+  // Blocks of 16 rows from `base`, converted; fn(h, t0, n) for every query head.
+  auto over_blocks = [&](const uint8_t* base, int64_t sstride, auto&& fn) {
+    for (int64_t t0 = 0; t0 < len; t0 += BLK) {
+      const int64_t n = std::min(BLK, len - t0);
+      convert_block(base, sstride, t0, n);
+      for (int64_t h = 0; h < g.hq; ++h) fn(h, t0, n);
     }
-  }
+  };
+  over_blocks(k, g.sk, [&](int64_t h, int64_t t0, int64_t n) {
+    __m512 qv[NV];
+    for (int64_t c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qf + h * D + c * 16);
+    const float* kh = rf + (h / group) * D;
+    __m512 dots[BLK];
+    for (int64_t j = 0; j < BLK; ++j) {
+      __m512 a = _mm512_setzero_ps();
+      if (j < n)
+        for (int64_t c = 0; c < NV; ++c)
+          a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kh + j * row + c * 16), a);
+      dots[j] = a;
+    }
+    _mm512_mask_storeu_ps(sc + h * len + t0, static_cast<__mmask16>((1u << n) - 1),
+                          sum16(dots));
+  });
   for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len);
   std::fill(acc, acc + g.hq * D, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += BLK) {
-    const int64_t n = std::min(BLK, len - t0);
-    convert_block(v, g.sv, t0, n);
-    for (int64_t h = 0; h < g.hq; ++h) {
-      __m512 a[NV];
-      for (int64_t c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + h * D + c * 16);
-      const float* vh = rf + (h / group) * D;
-      const float* p = sc + h * len + t0;
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int64_t c = 0; c < NV; ++c)
-          a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vh + j * row + c * 16), a[c]);
-      }
-      for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * D + c * 16, a[c]);
+  over_blocks(v, g.sv, [&](int64_t h, int64_t t0, int64_t n) {
+    __m512 a[NV];
+    for (int64_t c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + h * D + c * 16);
+    const float* vh = rf + (h / group) * D;
+    const float* p = sc + h * len + t0;
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int64_t c = 0; c < NV; ++c)
+        a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vh + j * row + c * 16), a[c]);
     }
-  }
+    for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * D + c * 16, a[c]);
+  });
   for (int64_t h = 0; h < g.hq; ++h)
     for (int64_t e = 0; e < D; ++e)
       st(out, h * D + (e & ~31) + permuted32(e & 31),
