@@ -41,7 +41,8 @@ from triton_kernels.store_kv import _store_kv_kernel
 
 FUSED_KERNELS = (_rmsnorm_kernel, _rope_kernel, _silu_mul_kernel)  # launched without FP fusion
 CUDA = torch.device("cuda")  # only its type is read: picks the GPU launch configs
-PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+       torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
 
 
 class Case(NamedTuple):
@@ -49,6 +50,7 @@ class Case(NamedTuple):
     head_dim: int
     kv_heads: int
     group: int
+    kv_dtype: torch.dtype | None = None  # an 8-bit KV cache (with scales); None: dtype
 
 
 class Launch(NamedTuple):
@@ -61,28 +63,35 @@ class Launch(NamedTuple):
 
 CASES = (Case(torch.bfloat16, 128, 8, 4), Case(torch.bfloat16, 64, 3, 3),
          Case(torch.float16, 64, 2, 8), Case(torch.float32, 128, 2, 3),
-         Case(torch.float32, 16, 2, 2))
+         Case(torch.float32, 16, 2, 2), Case(torch.bfloat16, 128, 8, 4, torch.float8_e4m3fn),
+         Case(torch.bfloat16, 64, 3, 3, torch.float8_e5m2))
 
 
 def launches(c: Case) -> list[Launch]:
     t, g_pad, bd = PTR[c.dtype], triton.next_power_of_2(c.group), max(16, c.head_dim)
+    kv, quant = PTR[c.kv_dtype or c.dtype], c.kv_dtype is not None
     prec = "ieee" if c.dtype == torch.float32 else "tf32"
     dec, ext = decode_config(CUDA, c.dtype), extend_config(CUDA, c.dtype)
     block_r = max(ext.block_r, g_pad)
-    attn = {"q": t, "k_cache": t, "v_cache": t, "slot_table": "*i32", "rows": "*i64",
-            "qk_scale": "fp32"}
+    scales = {"k_scale": "*fp32", "v_scale": "*fp32"}
+    attn = {"q": t, "k_cache": kv, "v_cache": kv, "slot_table": "*i32", "rows": "*i64",
+            "qk_scale": "fp32", **scales}
+    e4m3 = c.kv_dtype == torch.float8_e4m3fn
     return [
         Launch(_store_kv_kernel,
-               {"k_cache": t, "v_cache": t, "k": t, "v": t, "slots": "*i64", "stride_kt": "i32",
-                "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
+               {"k_cache": kv, "v_cache": kv, "k": t, "v": t, "slots": "*i64", **scales,
+                "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
                {"NUM_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
-                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd}, 4, 3),
+                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd, "QUANT": quant,
+                "FP8_MAX": float(torch.finfo(c.kv_dtype).max) if c.kv_dtype else 0.0,
+                "PRE_ROUND": False, "MAN_BITS": 3 if e4m3 else 2, "MIN_EXP": -6 if e4m3 else -14},
+               4, 3),
         Launch(_decode_split_kernel,
                {**attn, "seq_lens": "*i32", "mid_o": "*fp32", "mid_lse": "*fp32",
                 "stride_qb": "i32", "stride_qh": "i32", "stride_table": "i32"},
                {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "HEAD_DIM": c.head_dim,
                 "NUM_SPLITS": 4, "BLOCK_G": max(16, g_pad), "BLOCK_D": bd,
-                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False},
+                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False, "QUANT": quant},
                dec.num_warps, 2),
         Launch(_decode_merge_kernel,
                {"mid_o": "*fp32", "mid_lse": "*fp32", "seq_lens": "*i32", "out": t,
@@ -96,7 +105,7 @@ def launches(c: Case) -> list[Launch]:
                {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "G_PAD": g_pad,
                 "HEAD_DIM": c.head_dim, "BLOCK_R": block_r, "BLOCK_D": bd,
                 "BLOCK_M": block_r // g_pad, "BLOCK_N": ext.block_n, "DOT_PRECISION": prec,
-                "UPCAST": False}, ext.num_warps, ext.num_stages),
+                "UPCAST": False, "QUANT": quant}, ext.num_warps, ext.num_stages),
     ]
 
 
@@ -162,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             for launch in launches(case) + fused_launches(case):
                 compiled = compile_one(launch, arch)
                 line = (f"sm_{arch} {launch.kernel.__name__:<22} "
-                        f"{str(case.dtype).removeprefix('torch.'):<9} d={case.head_dim:<4} "
+                        f"{str(case.dtype).removeprefix('torch.'):<9} "
+                        f"kv={str(case.kv_dtype or case.dtype).removeprefix('torch.'):<13} "
+                        f"d={case.head_dim:<4} "
                         f"group={case.group} warps={launch.num_warps} "
                         f"shared={compiled.metadata.shared}")
                 if args.spills:

@@ -3,7 +3,8 @@
 Owns: the ground truth the kernel tests and bench compare against (and a slow fallback).
 Attention computes in fp32 whatever the input dtype; the elementwise ops (norm, RoPE, SiLU)
 round op by op in the input dtype as torch and HF do. Loops over requests on the host;
-clarity over speed.
+clarity over speed. An 8-bit cache (float8_e4m3fn / float8_e5m2) comes with k_scale, v_scale
+(kv_heads,): stored = x / scale saturated to the format's range, read = stored * scale.
 Does not know: Triton.
 """
 
@@ -18,9 +19,22 @@ def store_kv_ref(
     k: torch.Tensor,  # (T, kv_heads, head_dim)
     v: torch.Tensor,  # (T, kv_heads, head_dim)
     slots: torch.Tensor,  # (T,)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    k_cache[slots.long()] = k.to(k_cache.dtype)
-    v_cache[slots.long()] = v.to(v_cache.dtype)
+    for cache, x, s in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if s is not None:
+            limit = torch.finfo(cache.dtype).max
+            x = (x.float() / s[None, :, None]).clamp(-limit, limit)
+        # float8 has no index_put on CPU: the bytes are written
+        cache.view(torch.uint8)[slots.long()] = x.to(cache.dtype).view(torch.uint8)
+
+
+def read_kv_ref(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None
+                ) -> torch.Tensor:  # (L, kv_heads, head_dim) fp32
+    """cache[slots] in fp32, dequantized with `scale` (kv_heads,) when the cache is 8-bit."""
+    rows = cache[slots.long()].float()
+    return rows if scale is None else rows * scale[None, :, None]
 
 
 def attend_ref(
@@ -46,12 +60,15 @@ def decode_attention_ref(
     rows: torch.Tensor,  # (B,)
     seq_lens: torch.Tensor,  # (B,)
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, q_heads, head_dim)
     out = torch.empty_like(q)
     for b, (row, seq_len) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
         slots = slot_table[row, :seq_len].long()
         visible = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
-        out[b] = attend_ref(q[b : b + 1], k_cache[slots], v_cache[slots], visible, scale)[0]
+        out[b] = attend_ref(q[b : b + 1], read_kv_ref(k_cache, slots, k_scale),
+                            read_kv_ref(v_cache, slots, v_scale), visible, scale)[0]
     return out
 
 
@@ -65,6 +82,8 @@ def extend_attention_ref(
     extend_lens: torch.Tensor,  # (B,)
     cu_extend: torch.Tensor,  # (B + 1,)
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (T, q_heads, head_dim)
     out = torch.empty_like(q)
     starts = cu_extend.tolist()
@@ -76,8 +95,8 @@ def extend_attention_ref(
         visible = k_pos[None, :] <= q_pos[:, None]  # (n, prefix + n)
         qb = q[starts[b] : starts[b] + n]
         out[starts[b] : starts[b] + n] = attend_ref(
-            qb, k_cache[slots], v_cache[slots], visible, scale
-        )
+            qb, read_kv_ref(k_cache, slots, k_scale), read_kv_ref(v_cache, slots, v_scale),
+            visible, scale)
     return out
 
 

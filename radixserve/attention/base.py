@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from radixserve.attention.kv_quant import KVScale
 from radixserve.types import Phase
 
 
@@ -69,7 +70,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Stores this forward's K/V into the pool, then attends through the slot table."""
+    """Stores this forward's K/V into the pool, then attends through the slot table.
+
+    An 8-bit pool (--kv-cache-dtype fp8*) comes with the layer's scales (attention/kv_quant.py):
+    the backend stores x / scale in 8 bits and reads stored * scale; None for a pool in the
+    model's dtype.
+    """
 
     def forward(
         self,
@@ -80,6 +86,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim), written in place
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale | None = None,
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
         ...
 

@@ -1,8 +1,10 @@
-"""The KV pool: per-layer K and V tensors addressed by slot, and the slot table.
+"""The KV pool: per-layer K and V tensors addressed by slot, their scales, and the slot table.
 
 Owns: the device memory of the KV cache and of the (request row, token) -> slot table, and
-their sizing. Does not know: which slots are free (PageAllocator), which are cached
-(RadixCache), or which request holds what (the scheduler).
+their sizing. With an 8-bit cache (--kv-cache-dtype fp8*), also the scales of every (layer, KV
+head) that the stored bytes are read with (attention/kv_quant.py; the model runner writes them
+once, at start-up, before any K/V is stored). Does not know: which slots are free
+(PageAllocator), which are cached (RadixCache), or which request holds what (the scheduler).
 
 Layout: k and v are (num_layers, num_slots + 1, kv_heads, head_dim), one tensor each, so
 k[layer] is a view; slot = page * page_size + offset. slot_table[row, i] is the slot of token
@@ -22,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from radixserve.attention.kv_quant import KVScale, is_fp8
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,25 @@ class KVPool:
         self.slot_table = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int32,
                                       device=device)
         self.slot_table[self.pad_row] = self.pad_slot
+        # (num_layers, kv_heads) float32 each: what an 8-bit pool's bytes are multiplied by.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if is_fp8(dtype):
+            self.k_scale = torch.ones((num_layers, num_kv_heads), dtype=torch.float32,
+                                      device=device)
+            self.v_scale = torch.ones_like(self.k_scale)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        """The K and V tensors' bytes (the scales and the slot table aside)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def layer_scales(self) -> list[KVScale] | None:
+        """Per layer, views of its (k, v) scales; None for a pool in the model's dtype."""
+        if self.k_scale is None or self.v_scale is None:
+            return None
+        return [KVScale(k, v) for k, v in zip(self.k_scale, self.v_scale, strict=True)]

@@ -111,6 +111,7 @@ class CudaGraphRunner:
                  fixed_meta: bool = False) -> None:
         assert plan.enabled, plan.reason
         self.plan, self.model, self.pool = plan, model, pool
+        self.kv_scales = pool.layer_scales()  # per layer; None unless the pool is 8-bit
         self.fixed_meta = fixed_meta
         self.static: dict[GraphKind, StaticInputs] = {
             GraphKind.DECODE: StaticInputs(plan.decode_sizes[-1], 1, pool.pad_row,
@@ -152,7 +153,7 @@ class CudaGraphRunner:
         n = bs * static.stride
         out = self.model.forward(static.input_ids[:n], static.positions[:n],
                                  static.meta(bs, host), self.pool.k, self.pool.v,
-                                 static.logit_rows[:n])  # (n, vocab)
+                                 static.logit_rows[:n], self.kv_scales)  # (n, vocab)
         self.logits[:n].copy_(out)
 
     def capture(self) -> float:

@@ -14,13 +14,14 @@ Does not know: requests, the scheduler, sampling. Tokens of all requests are con
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, StoredKVAttention
+from radixserve.attention.kv_quant import KVScale
 from radixserve.model.arch import ModelArch
 from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
 from radixserve.model.int8_kernel import load_int8_gemm
@@ -106,8 +107,11 @@ class LlamaModel:
         k_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         v_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         logit_rows: torch.Tensor,  # (N,) which token rows need logits
+        kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
     ) -> torch.Tensor:  # (N, vocab) float32
-        if self.fused is not None:
+        # NOTE: the fused RoPE + store kernel writes the model's dtype, so an 8-bit pool takes
+        # this loop (store and attention quantize/dequantize with the layer's scales).
+        if self.fused is not None and kv_scales is None:
             return self.fused(self, self.backend, input_ids, positions, meta, k_cache, v_cache,
                               logit_rows)
         spec, norm, rope = self.spec, self.ops.rms_norm, self.ops.rope_qk
@@ -121,7 +125,8 @@ class LlamaModel:
             qk = rope(qkv, cos, sin, num_qk_heads)  # (T, heads + kv_heads, head_dim) rotated
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, qk_size:].view(-1, spec.num_kv_heads, spec.head_dim)
-            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale)
+            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale,
+                                        None if kv_scales is None else kv_scales[i])
             h = layer.o_proj.add_to(h, attn.reshape(-1, self.q_size))  # (T, hidden)
             h = layer.mlp(norm(h, layer.post_norm, eps), h)
         if logit_rows.shape[0] != h.shape[0]:
