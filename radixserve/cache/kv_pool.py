@@ -71,8 +71,10 @@ class KVPool:
 
     @property
     def num_bytes(self) -> int:
-        """The K and V tensors' bytes (the scales and the slot table aside)."""
-        return self.k.nbytes + self.v.nbytes
+        """The K and V bytes of the allocator's slots (the padding slot, the scales and the
+        slot table aside: what --kv-cache-memory-bytes budgets)."""
+        per_slot = self.k[0, 0].nbytes * self.k.shape[0]  # one slot of every layer
+        return 2 * per_slot * self.size.num_slots
 
     def layer_scales(self) -> list[KVScale] | None:
         """Per layer, views of its (k, v) scales; None for a pool in the model's dtype."""
