@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
                        help="vllm: /metrics also carries vllm:num_requests_waiting, "
                             "vllm:num_requests_running and vllm:kv_cache_usage_perc")
+    serve.add_argument("--structured-outputs-allow-additional-properties", action="store_true",
+                       default=None, dest="structured_outputs_allow_additional_properties",
+                       help="let JSON schemas' objects generate properties they do not name "
+                            "(JSON Schema's default); off: only named ones unless the schema "
+                            "asks for more (vLLM's default)")
     serve.add_argument("--restart-engine", action="store_true", default=None,
                        help="restart a dead engine process (with backoff) instead of exiting 1")
     return parser
@@ -140,7 +145,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
-        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk"]
+        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
+        "structured_outputs_allow_additional_properties"]
     engine_kwargs = given(engine_names)
     kv_zmq = None
     if args.kv_events_config is not None:

@@ -66,7 +66,9 @@ class ServerState:
         self.eos_ids: tuple[int, ...] = ()
         self.call_format = get_format(cfg.tool_call_parser)
         self.native_tools = False  # the chat template renders tools itself (set on load)
-        self.check_constraint = ConstraintChecker()  # schemas that passed, remembered
+        # schemas that passed, remembered; closed as the engine closes them (grammar_text.py)
+        self.check_constraint = ConstraintChecker(
+            allow_additional_properties=cfg.engine.structured_outputs_allow_additional_properties)
         self._token_strs: dict[int, str] = {}
 
     @property
