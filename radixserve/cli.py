@@ -86,6 +86,8 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
      "drop a client that accepts no response bytes for this long (streams and large answers)"),
     ("--shutdown-timeout", float, "shutdown_timeout",
      "SIGTERM: seconds in-flight requests get to finish"),
+    ("--responses-store-size", int, "responses_store_size", "stored /v1/responses kept for "
+     "previous_response_id and GET (least recently used dropped; 0: none; default 10000)"),
 ]
 
 
