@@ -5,6 +5,7 @@ checker), unless additionalProperties says otherwise or the flag restores JSON S
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +115,28 @@ def test_the_flag_reaches_the_engine_config() -> None:
     off = build_config(parser.parse_args(["serve"]), {})
     assert on.engine.structured_outputs_allow_additional_properties is True
     assert off.engine.structured_outputs_allow_additional_properties is False
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_the_offline_llm_closes_objects_unless_told(tiny_llama: Path, allow: bool) -> None:
+    from radixserve import LLM, SamplingParams
+    from radixserve.grammar.backend import CompiledGrammar
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=1024,
+              structured_outputs_allow_additional_properties=allow)
+    compiled = llm.engine.grammars.wait(Constraint.json_schema(PERSON))
+    assert isinstance(compiled, CompiledGrammar)
+    m = compiled.matcher()
+
+    def accepts(text: str) -> bool:  # token by token, as sampled (the tiny model's vocab)
+        return all(m.accept(t) for t in llm.tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('{"name": "J", "age": 2')
+    assert accepts(', "x": 1}') is allow
+    odd = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}
+    params = SamplingParams(max_tokens=4, constraint=Constraint.json_schema(odd))
+    if allow:
+        llm.engine.grammars.wait(params.constraint)  # type: ignore[arg-type]
+    else:
+        with pytest.raises(InvalidRequestError):
+            llm.generate("a", params)
