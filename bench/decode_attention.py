@@ -10,11 +10,16 @@ interleaved across requests, as a decode step hands them out), SmolLM2-135M's he
 - native: TorchAttentionBackend(load_paged_decode()) (keys read in place through the slot
   table by csrc/paged_decode.cpp).
 Prints the median ms per step of each and their ratio, and the largest difference.
+`--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2` compares instead the native kernel over a pool in the
+model's dtype (auto) with the same kernel over the 8-bit pool holding the same K/V (quantized
+with per-head scales), side by side; `--layers` shrinks the pools (each layer's step is alike).
 `--new-tokens N` (N > 1, at most SHORT_QUERY_MAX) makes it the step that verifies drafts: N
 new tokens per request, causal among themselves, one kernel row per token on the native path.
 
     python -m bench.decode_attention --batch 32 --prompt-len 516 --decoded 24 --dtype float32
     python -m bench.decode_attention --new-tokens 4 --dtype bfloat16 --num-threads 2
+    python -m bench.decode_attention --kv-cache-dtype fp8 --prompt-len 4072 --dtype bfloat16 \
+        --num-threads 2 --layers 8
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import torch
 
 from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import load_paged_decode
+from radixserve.attention.kv_quant import KV_DTYPES, KVScale, quantize, scales_from_amax
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.types import Phase
 
-LAYERS, HQ, HKV, D = 30, 9, 3, 64
+HQ, HKV, D = 9, 3, 64
 
 
 def decode_meta(batch: int, prompt_len: int, decoded: int, new: int = 1
@@ -57,13 +63,27 @@ def decode_meta(batch: int, prompt_len: int, decoded: int, new: int = 1
     return meta, base + (decoded + new) * batch
 
 
-def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], k: torch.Tensor,
-         v: torch.Tensor, meta: AttentionMetadata) -> tuple[float, torch.Tensor]:
+class Pool:
+    """One path's K/V (layers, slots, Hkv, D) and, for an 8-bit pool, its scales per layer."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype | None) -> None:
+        self.scales: list[KVScale | None] = [None] * k.shape[0]
+        if kv_dtype is not None:
+            ks = scales_from_amax(k.abs().amax(dim=(1, 3)), kv_dtype)  # (layers, Hkv)
+            vs = scales_from_amax(v.abs().amax(dim=(1, 3)), kv_dtype)
+            self.scales = [KVScale(ks[i], vs[i]) for i in range(k.shape[0])]
+            k = torch.stack([quantize(k[i], ks[i], kv_dtype) for i in range(k.shape[0])])
+            v = torch.stack([quantize(v[i], vs[i], kv_dtype) for i in range(v.shape[0])])
+        self.k, self.v = k, v
+
+
+def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], pool: Pool,
+         meta: AttentionMetadata) -> tuple[float, torch.Tensor]:
     t = time.perf_counter()
     out = torch.empty(0)
-    for i in range(LAYERS):
+    for i in range(pool.k.shape[0]):
         q, kn, vn = qkv[i].split([HQ, HKV, HKV], dim=1)
-        out = backend.forward(q, kn, vn, k[i], v[i], meta, D**-0.5)
+        out = backend.forward(q, kn, vn, pool.k[i], pool.v[i], meta, D**-0.5, pool.scales[i])
     return time.perf_counter() - t, out
 
 
@@ -77,6 +97,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES],
+                    help="not auto: native kernel over the model-dtype pool vs the 8-bit pool")
     args = ap.parse_args()
     torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype)
@@ -84,25 +107,33 @@ def main() -> None:
     assert kernel is not None, "the native kernel did not build (see the warning above)"
     meta, slots = decode_meta(args.batch, args.prompt_len, args.decoded, args.new_tokens)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
-    v = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
+    k = torch.randn(args.layers, slots, HKV, D, generator=g).to(dtype)
+    v = torch.randn(args.layers, slots, HKV, D, generator=g).to(dtype)
     T = args.batch * args.new_tokens
-    qkv = [torch.randn(T, HQ + 2 * HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
-    paths = {"torch": TorchAttentionBackend(), "native": TorchAttentionBackend(kernel)}
+    qkv = [torch.randn(T, HQ + 2 * HKV, D, generator=g).to(dtype) for _ in range(args.layers)]
+    native = TorchAttentionBackend(kernel)
+    if args.kv_cache_dtype == "auto":
+        paths = {"torch cascade": (TorchAttentionBackend(), Pool(k, v, None)),
+                 "native kernel": (native, Pool(k, v, None))}
+    else:
+        paths = {f"native, {args.dtype} pool": (native, Pool(k, v, None)),
+                 f"native, {args.kv_cache_dtype} pool": (
+                     native, Pool(k, v, KV_DTYPES[args.kv_cache_dtype]))}
     times: dict[str, list[float]] = {name: [] for name in paths}
     outs: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for _ in range(args.runs + 1):  # the first round warms up
-            for name, backend in paths.items():
-                secs, outs[name] = step(backend, qkv, k, v, meta)
+            for name, (backend, pool) in paths.items():
+                secs, outs[name] = step(backend, qkv, pool, meta)
                 times[name].append(secs)
-    med = {name: statistics.median(ts[1:]) * 1e3 for name, ts in times.items()}
-    diff = (outs["torch"].float() - outs["native"].float()).abs().max().item()
-    print(f"decode attention, {LAYERS} layers, batch {args.batch} x {args.new_tokens} new, context "
-          f"{meta.max_seq_len} tokens, {args.dtype}, {args.num_threads} thread(s), "
+    med = [statistics.median(ts[1:]) * 1e3 for ts in times.values()]
+    first, second = outs.values()
+    diff = (first.float() - second.float()).abs().max().item()
+    print(f"decode attention, {args.layers} layers, batch {args.batch} x {args.new_tokens} new, "
+          f"context {meta.max_seq_len} tokens, {args.dtype}, {args.num_threads} thread(s), "
           f"median of {args.runs}:")
-    print(f"torch cascade {med['torch']:8.1f} ms/step")
-    print(f"native kernel {med['native']:8.1f} ms/step   ({med['torch'] / med['native']:.2f}x)")
+    for name, ms in zip(times, med, strict=True):
+        print(f"{name:24s} {ms:8.1f} ms/step   ({med[0] / ms:.2f}x; time ratio {ms / med[0]:.2f})")
     print(f"max |difference| of the last layer's output: {diff:.2e}")
 
 

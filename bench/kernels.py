@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from bench.common.interpret import turn_on_interpreter
 
 
 @dataclass(frozen=True)
@@ -229,10 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="timed runs per kernel")
     args = parser.parse_args(argv)
     if args.interpret:
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("triton was imported before TRITON_INTERPRET could be set", file=sys.stderr)
+        if not turn_on_interpreter():
             return 1
-        os.environ["TRITON_INTERPRET"] = "1"
         device = torch.device("cpu")
         decode, extend, tol = CPU_DECODE, CPU_EXTEND, 1e-5
     elif not torch.cuda.is_available():

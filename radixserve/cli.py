@@ -17,6 +17,7 @@ from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
     KV_OFFLOAD_WRITE_POLICIES,
     METRICS_COMPAT,
     QUANTIZATIONS,
@@ -38,6 +39,11 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--device", str, "device", "auto | cpu | cuda"),
     ("--max-model-len", int, "max_model_len", "context length (default: the model's)"),
     ("--kv-cache-tokens", int, "kv_cache_tokens", "KV pool size in tokens (default: from memory)"),
+    ("--kv-cache-memory-bytes", str, "kv_cache_memory_bytes",
+     "KV pool size in bytes, e.g. 512M or 2G (K/M/G: powers of 1024; k/m/g: of 1000)"),
+    ("--kv-cache-dtype", str, "kv_cache_dtype",
+     f"KV cache storage: {' | '.join(KV_CACHE_DTYPES)} (fp8 = fp8_e4m3; default auto: the "
+     "model's dtype)"),
     ("--page-size", int, "page_size", "tokens per KV page"),
     ("--chunked-prefill-size", int, "chunked_prefill_size", "prefill chunk in tokens; 0: off"),
     ("--max-prefill-tokens", int, "max_prefill_tokens", "token budget of one prefill batch"),
@@ -45,6 +51,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--schedule-policy", str, "schedule_policy", f"{' | '.join(SCHEDULE_POLICIES)}"),
     ("--attention-backend", str, "attention_backend", f"{' | '.join(ATTENTION_BACKENDS)}"),
     ("--seed", int, "seed", "engine random seed"),
+    ("--cuda-graph-max-bs", int, "cuda_graph_max_bs",
+     "largest decode batch replayed from a CUDA graph (default 256; CUDA only)"),
     ("--num-threads", int, "num_threads", "torch CPU threads"),
     ("--eviction-policy", str, "eviction_policy", f"{' | '.join(EVICTION_POLICIES)} (default lru)"),
     ("--tenant-cache-quota", float, "tenant_cache_quota",
@@ -111,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most tokens pins may lock (default: a quarter of the KV pool)")
     serve.add_argument("--disable-radix-cache", action="store_true", default=None,
                        help="no prefix caching")
+    serve.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="no CUDA graphs: every step runs eagerly")
     serve.add_argument("--enable-kv-events", action="store_true", default=None,
                        help="publish cache block events on GET /kv_events")
     serve.add_argument("--shared-cache", action="store_true", default=None,
@@ -148,7 +158,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
         "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
-        "structured_outputs_allow_additional_properties"]
+        "structured_outputs_allow_additional_properties", "enforce_eager"]
     engine_kwargs = given(engine_names)
     kv_zmq = None
     if args.kv_events_config is not None:

@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention over the radixserve KV pool.
+"""Triton kernels: paged attention over the radixserve KV pool, and the forward's fused ops.
 
 Owns: the kernel wrappers below (each checks its arguments and launches its kernel). Plain-torch
 equivalents live in `triton_kernels.reference`. Importing this package needs triton, not CUDA;
@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from triton_kernels.decode_attention import decode_attention
 from triton_kernels.extend_attention import extend_attention
+from triton_kernels.fused_add_rmsnorm import fused_add_rmsnorm, rms_norm
+from triton_kernels.rope import rope_qk, rope_qk_store
+from triton_kernels.silu_mul import silu_mul
 from triton_kernels.store_kv import store_kv
 
-__all__ = ["decode_attention", "extend_attention", "store_kv"]
+__all__ = ["decode_attention", "extend_attention", "fused_add_rmsnorm", "rms_norm", "rope_qk",
+           "rope_qk_store", "silu_mul", "store_kv"]

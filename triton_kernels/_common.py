@@ -16,6 +16,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # with per-KV-head scales
 
 
 class KernelDeviceError(RuntimeError):
@@ -40,11 +41,28 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The pool layout: two contiguous (num_slots, kv_heads, head_dim) tensors alike."""
     assert k_cache.dim() == 3, f"k_cache must be (num_slots, kv_heads, head_dim), got {k_cache.shape}"
     assert k_cache.shape == v_cache.shape, f"{k_cache.shape} != {v_cache.shape}"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES, (
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES + FP8_KV_DTYPES, (
         f"unsupported KV dtypes {k_cache.dtype}, {v_cache.dtype}"
     )
     assert k_cache.device == v_cache.device
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether the caches are 8-bit (then k_scale, v_scale are their (kv_heads,) float32
+    scales, and the other operands are in `dtype`); else the caches are in `dtype` itself."""
+    quant = k_cache.dtype in FP8_KV_DTYPES
+    assert quant == (k_scale is not None and v_scale is not None), (
+        "k_scale and v_scale: given exactly when the KV cache is 8-bit")
+    assert quant or k_cache.dtype == dtype, (
+        f"the KV cache dtype {k_cache.dtype} differs from the operands' dtype {dtype}")
+    if k_scale is not None and v_scale is not None:
+        for s in (k_scale, v_scale):
+            assert s.shape == (k_cache.shape[1],) and s.dtype == torch.float32, (
+                f"scales must be ({k_cache.shape[1]},) float32, got {tuple(s.shape)} {s.dtype}")
+            assert s.device == k_cache.device and s.stride(0) == 1
+    return quant
 
 
 def check_heads_last_contiguous(name: str, x: torch.Tensor, heads: int, head_dim: int) -> None:

@@ -33,10 +33,16 @@ from triton_kernels.decode_attention import (
     decode_config,
 )
 from triton_kernels.extend_attention import _extend_kernel, extend_config
+from triton_kernels.fused_add_rmsnorm import _rmsnorm_kernel
+from triton_kernels.rope import _rope_kernel
+from triton_kernels.silu_mul import BLOCK as SILU_BLOCK
+from triton_kernels.silu_mul import _silu_mul_kernel
 from triton_kernels.store_kv import _store_kv_kernel
 
+FUSED_KERNELS = (_rmsnorm_kernel, _rope_kernel, _silu_mul_kernel)  # launched without FP fusion
 CUDA = torch.device("cuda")  # only its type is read: picks the GPU launch configs
-PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+       torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
 
 
 class Case(NamedTuple):
@@ -44,6 +50,7 @@ class Case(NamedTuple):
     head_dim: int
     kv_heads: int
     group: int
+    kv_dtype: torch.dtype | None = None  # an 8-bit KV cache (with scales); None: dtype
 
 
 class Launch(NamedTuple):
@@ -56,28 +63,35 @@ class Launch(NamedTuple):
 
 CASES = (Case(torch.bfloat16, 128, 8, 4), Case(torch.bfloat16, 64, 3, 3),
          Case(torch.float16, 64, 2, 8), Case(torch.float32, 128, 2, 3),
-         Case(torch.float32, 16, 2, 2))
+         Case(torch.float32, 16, 2, 2), Case(torch.bfloat16, 128, 8, 4, torch.float8_e4m3fn),
+         Case(torch.bfloat16, 64, 3, 3, torch.float8_e5m2))
 
 
 def launches(c: Case) -> list[Launch]:
     t, g_pad, bd = PTR[c.dtype], triton.next_power_of_2(c.group), max(16, c.head_dim)
+    kv, quant = PTR[c.kv_dtype or c.dtype], c.kv_dtype is not None
     prec = "ieee" if c.dtype == torch.float32 else "tf32"
     dec, ext = decode_config(CUDA, c.dtype), extend_config(CUDA, c.dtype)
     block_r = max(ext.block_r, g_pad)
-    attn = {"q": t, "k_cache": t, "v_cache": t, "slot_table": "*i32", "rows": "*i64",
-            "qk_scale": "fp32"}
+    scales = {"k_scale": "*fp32", "v_scale": "*fp32"}
+    attn = {"q": t, "k_cache": kv, "v_cache": kv, "slot_table": "*i32", "rows": "*i64",
+            "qk_scale": "fp32", **scales}
+    e4m3 = c.kv_dtype == torch.float8_e4m3fn
     return [
         Launch(_store_kv_kernel,
-               {"k_cache": t, "v_cache": t, "k": t, "v": t, "slots": "*i64", "stride_kt": "i32",
-                "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
+               {"k_cache": kv, "v_cache": kv, "k": t, "v": t, "slots": "*i64", **scales,
+                "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
                {"NUM_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
-                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd}, 4, 3),
+                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd, "QUANT": quant,
+                "FP8_MAX": float(torch.finfo(c.kv_dtype).max) if c.kv_dtype else 0.0,
+                "PRE_ROUND": False, "MAN_BITS": 3 if e4m3 else 2, "MIN_EXP": -6 if e4m3 else -14},
+               4, 3),
         Launch(_decode_split_kernel,
                {**attn, "seq_lens": "*i32", "mid_o": "*fp32", "mid_lse": "*fp32",
                 "stride_qb": "i32", "stride_qh": "i32", "stride_table": "i32"},
                {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "HEAD_DIM": c.head_dim,
                 "NUM_SPLITS": 4, "BLOCK_G": max(16, g_pad), "BLOCK_D": bd,
-                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False},
+                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False, "QUANT": quant},
                dec.num_warps, 2),
         Launch(_decode_merge_kernel,
                {"mid_o": "*fp32", "mid_lse": "*fp32", "seq_lens": "*i32", "out": t,
@@ -91,7 +105,30 @@ def launches(c: Case) -> list[Launch]:
                {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "G_PAD": g_pad,
                 "HEAD_DIM": c.head_dim, "BLOCK_R": block_r, "BLOCK_D": bd,
                 "BLOCK_M": block_r // g_pad, "BLOCK_N": ext.block_n, "DOT_PRECISION": prec,
-                "UPCAST": False}, ext.num_warps, ext.num_stages),
+                "UPCAST": False, "QUANT": quant}, ext.num_warps, ext.num_stages),
+    ]
+
+
+def fused_launches(c: Case) -> list[Launch]:
+    """The elementwise kernels at this case's shapes (hidden = the q width, inter = 4 hidden)."""
+    t, q_heads = PTR[c.dtype], c.kv_heads * c.group
+    hidden = q_heads * c.head_dim
+    norm = {"x": t, "residual": t, "weight": t, "out": t, "eps": "fp32", "stride_x": "i32",
+            "stride_r": "i32", "stride_o": "i32"}
+    block = triton.next_power_of_2(hidden)
+    rope = {"qkv": t, "cos": t, "sin": t, "positions": "*i64", "k_cache": t, "v_cache": t,
+            "slots": "*i64", "stride_t": "i32"}
+    return [
+        *(Launch(_rmsnorm_kernel, norm, {"N": hidden, "BLOCK": block, "HAS_RESIDUAL": res},
+                 max(1, min(16, block // 256)), 3) for res in (False, True)),
+        *(Launch(_rope_kernel, rope,
+                 {"NUM_Q_HEADS": q_heads, "NUM_KV_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
+                  "BLOCK_HQ": triton.next_power_of_2(q_heads),
+                  "BLOCK_HK": triton.next_power_of_2(c.kv_heads),
+                  "BLOCK_HALF": triton.next_power_of_2(c.head_dim // 2), "STORE": store},
+                 4, 3) for store in (False, True)),
+        Launch(_silu_mul_kernel, {"gate_up": t, "out": t, "stride_g": "i32", "stride_o": "i32"},
+               {"INTER": 4 * hidden, "BLOCK_N": SILU_BLOCK}, 4, 3),
     ]
 
 
@@ -99,7 +136,8 @@ def compile_one(launch: Launch, arch: int) -> Any:
     names = launch.kernel.arg_names
     signature = {n: "constexpr" if n in launch.constexprs else launch.types[n] for n in names}
     src = ASTSource(launch.kernel, signature, constexprs=launch.constexprs)
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages,
+               "enable_fp_fusion": launch.kernel not in FUSED_KERNELS}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -130,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for arch in args.arch:
         for case in CASES:
-            for launch in launches(case):
+            for launch in launches(case) + fused_launches(case):
                 compiled = compile_one(launch, arch)
                 line = (f"sm_{arch} {launch.kernel.__name__:<22} "
-                        f"{str(case.dtype).removeprefix('torch.'):<9} d={case.head_dim:<4} "
+                        f"{str(case.dtype).removeprefix('torch.'):<9} "
+                        f"kv={str(case.kv_dtype or case.dtype).removeprefix('torch.'):<13} "
+                        f"d={case.head_dim:<4} "
                         f"group={case.group} warps={launch.num_warps} "
                         f"shared={compiled.metadata.shared}")
                 if args.spills:

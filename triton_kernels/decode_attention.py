@@ -29,6 +29,7 @@ from triton_kernels._common import (
     check_heads_last_contiguous,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_launchable,
     check_out,
     check_slot_table,
@@ -41,11 +42,12 @@ MAX_SPLITS = 16
 
 @triton.jit
 def _decode_split_kernel(
-    q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse,
+    q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse, k_scale, v_scale,
     qk_scale, stride_qb, stride_qh, stride_table,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -66,6 +68,11 @@ def _decode_split_kernel(
     if UPCAST:
         q_tile = q_tile.to(tl.float32)
 
+    v_factor = 1.0
+    if QUANT:  # an 8-bit cache: K's scale folded into the scores, V's into the output
+        qk_scale = qk_scale * tl.load(k_scale + kvh)
+        v_factor = tl.load(v_scale + kvh)
+
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -79,6 +86,9 @@ def _decode_split_kernel(
         # Masked so that stale or never-written slots (garbage, NaN) are never read.
         k_tile = tl.load(k_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
         v_tile = tl.load(v_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
+        if QUANT:  # 8-bit values are exact in q's dtype (bf16, fp16 or fp32)
+            k_tile = k_tile.to(q.dtype.element_ty)
+            v_tile = v_tile.to(q.dtype.element_ty)
         if UPCAST:
             k_tile = k_tile.to(tl.float32)
             v_tile = v_tile.to(tl.float32)
@@ -88,8 +98,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # (G, N)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # p is rounded to the cache dtype for the PV product, as on the GPU path.
-        p_lo = p.to(v_cache.dtype.element_ty)
+        # p is rounded to the operands' dtype for the PV product, as on the GPU path.
+        p_lo = p.to(q.dtype.element_ty)
         if UPCAST:
             p_lo = p_lo.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p_lo, v_tile, input_precision=DOT_PRECISION)
@@ -98,7 +108,7 @@ def _decode_split_kernel(
     # An empty chunk (start >= seq_len) leaves m_i = -inf, l_i = 0: lse = -inf, o = 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = m_i + tl.log2(l_safe)  # (G,)
-    o = acc / l_safe[:, None]  # (G, D)
+    o = acc * (v_factor / l_safe)[:, None]  # (G, D)
     # mid_o is (B, q_heads, NUM_SPLITS, HEAD_DIM), mid_lse (B, q_heads, NUM_SPLITS), contiguous.
     mid_idx = (b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # (G,)
     tl.store(mid_lse + mid_idx, lse, mask=mask_g)
@@ -164,15 +174,19 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # (B, q_heads, head_dim)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, q_heads, head_dim)
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over K_b = k_cache[slot_table[rows[b],
-    :seq_lens[b]], h // group]. Accumulates in fp32; the current token's K/V must be stored."""
+    :seq_lens[b]], h // group] (an 8-bit cache: times k_scale / v_scale of the KV head).
+    Accumulates in fp32; the current token's K/V must be stored."""
     check_kv_cache(k_cache, v_cache)
     _, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads = q.shape[0], q.shape[1]
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
     check_heads_last_contiguous("q", q, num_q_heads, head_dim)
-    assert q.dtype == k_cache.dtype and q.device == k_cache.device
+    assert q.device == k_cache.device
+    quant = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
     check_slot_table(slot_table, q.device)
     check_index("rows", rows, batch, q.device)
     check_index("seq_lens", seq_lens, batch, q.device)
@@ -193,10 +207,12 @@ def decode_attention(
     bd = block_d(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse,
+        k_scale if quant else mid_lse, v_scale if quant else mid_lse,
         scale * LOG2E, q.stride(0), q.stride(1), slot_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=2,
+        DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, num_warps=cfg.num_warps,
+        num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),

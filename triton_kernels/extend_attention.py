@@ -27,6 +27,7 @@ from triton_kernels._common import (
     check_heads_last_contiguous,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_launchable,
     check_out,
     check_slot_table,
@@ -39,11 +40,12 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_kernel(
     q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
+    k_scale, v_scale,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, QUANT: tl.constexpr,
 ):
     # BLOCK_R == BLOCK_M * G_PAD
     m_start = tl.program_id(0) * BLOCK_M
@@ -68,6 +70,11 @@ def _extend_kernel(
         q_tile = q_tile.to(tl.float32)
     q_pos = prefix + tok  # (R,) absolute positions; rows past ext_len are masked at the store
 
+    v_factor = 1.0
+    if QUANT:  # an 8-bit cache: K's scale folded into the scores, V's into the output
+        qk_scale = qk_scale * tl.load(k_scale + kvh)
+        v_factor = tl.load(v_scale + kvh)
+
     # Blocks past this request's new tokens (a shorter request in the batch) loop zero times.
     last_tok = tl.minimum(m_start + BLOCK_M, ext_len)
     kv_end = tl.where(m_start < ext_len, prefix + last_tok, 0)
@@ -83,6 +90,9 @@ def _extend_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k_tile = tl.load(k_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
         v_tile = tl.load(v_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
+        if QUANT:  # 8-bit values are exact in q's dtype (bf16, fp16 or fp32)
+            k_tile = k_tile.to(q.dtype.element_ty)
+            v_tile = v_tile.to(q.dtype.element_ty)
         if UPCAST:
             k_tile = k_tile.to(tl.float32)
             v_tile = v_tile.to(tl.float32)
@@ -94,13 +104,13 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # (R, N)
         l_i = l_i * alpha + tl.sum(p, 1)
-        p_lo = p.to(v_cache.dtype.element_ty)
+        p_lo = p.to(q.dtype.element_ty)
         if UPCAST:
             p_lo = p_lo.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p_lo, v_tile, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (R, D)
+    o = acc * (v_factor / tl.where(l_i > 0, l_i, 1.0))[:, None]  # (R, D)
     out_ptrs = (out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh
                 + offs_d[None, :])
     tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=io_mask)
@@ -135,8 +145,11 @@ def extend_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,  # (T, q_heads, head_dim)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (T, q_heads, head_dim)
-    """Causal attention of each request's new tokens over slot_table[row, 0 : prefix + j + 1].
+    """Causal attention of each request's new tokens over slot_table[row, 0 : prefix + j + 1]
+    (an 8-bit cache: K/V read as stored * k_scale / v_scale of their KV head).
 
     The new tokens' K/V must already be stored at their slots. `max_extend_len` (a host int,
     no device sync) must be >= every extend_lens[b]; it only sizes the grid.
@@ -146,7 +159,8 @@ def extend_attention(
     num_tokens, num_q_heads = q.shape[0], q.shape[1]
     assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
     check_heads_last_contiguous("q", q, num_q_heads, head_dim)
-    assert q.dtype == k_cache.dtype and q.device == k_cache.device
+    assert q.device == k_cache.device
+    quant = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
     batch = rows.shape[0]
     check_slot_table(slot_table, q.device)
     check_index("rows", rows, batch, q.device)
@@ -168,12 +182,12 @@ def extend_attention(
     grid = (triton.cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_scale if quant else out, v_scale if quant else out, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         slot_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
         BLOCK_R=block_r, BLOCK_D=block_d(head_dim), BLOCK_M=block_r // g_pad,
         BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, UPCAST=upcast,
+        DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

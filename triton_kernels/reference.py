@@ -1,7 +1,10 @@
 """Plain-torch versions of every kernel, with the same signatures and semantics.
 
 Owns: the ground truth the kernel tests and bench compare against (and a slow fallback).
-Computes in fp32 whatever the input dtype, loops over requests on the host; clarity over speed.
+Attention computes in fp32 whatever the input dtype; the elementwise ops (norm, RoPE, SiLU)
+round op by op in the input dtype as torch and HF do. Loops over requests on the host;
+clarity over speed. An 8-bit cache (float8_e4m3fn / float8_e5m2) comes with k_scale, v_scale
+(kv_heads,): stored = x / scale saturated to the format's range, read = stored * scale.
 Does not know: Triton.
 """
 
@@ -16,9 +19,22 @@ def store_kv_ref(
     k: torch.Tensor,  # (T, kv_heads, head_dim)
     v: torch.Tensor,  # (T, kv_heads, head_dim)
     slots: torch.Tensor,  # (T,)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    k_cache[slots.long()] = k.to(k_cache.dtype)
-    v_cache[slots.long()] = v.to(v_cache.dtype)
+    for cache, x, s in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if s is not None:
+            limit = torch.finfo(cache.dtype).max
+            x = (x.float() / s[None, :, None]).clamp(-limit, limit)
+        # float8 has no index_put on CPU: the bytes are written
+        cache.view(torch.uint8)[slots.long()] = x.to(cache.dtype).view(torch.uint8)
+
+
+def read_kv_ref(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None
+                ) -> torch.Tensor:  # (L, kv_heads, head_dim) fp32
+    """cache[slots] in fp32, dequantized with `scale` (kv_heads,) when the cache is 8-bit."""
+    rows = cache[slots.long()].float()
+    return rows if scale is None else rows * scale[None, :, None]
 
 
 def attend_ref(
@@ -44,12 +60,15 @@ def decode_attention_ref(
     rows: torch.Tensor,  # (B,)
     seq_lens: torch.Tensor,  # (B,)
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, q_heads, head_dim)
     out = torch.empty_like(q)
     for b, (row, seq_len) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
         slots = slot_table[row, :seq_len].long()
         visible = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
-        out[b] = attend_ref(q[b : b + 1], k_cache[slots], v_cache[slots], visible, scale)[0]
+        out[b] = attend_ref(q[b : b + 1], read_kv_ref(k_cache, slots, k_scale),
+                            read_kv_ref(v_cache, slots, v_scale), visible, scale)[0]
     return out
 
 
@@ -63,6 +82,8 @@ def extend_attention_ref(
     extend_lens: torch.Tensor,  # (B,)
     cu_extend: torch.Tensor,  # (B + 1,)
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (T, q_heads, head_dim)
     out = torch.empty_like(q)
     starts = cu_extend.tolist()
@@ -74,6 +95,54 @@ def extend_attention_ref(
         visible = k_pos[None, :] <= q_pos[:, None]  # (n, prefix + n)
         qb = q[starts[b] : starts[b] + n]
         out[starts[b] : starts[b] + n] = attend_ref(
-            qb, k_cache[slots], v_cache[slots], visible, scale
-        )
+            qb, read_kv_ref(k_cache, slots, k_scale), read_kv_ref(v_cache, slots, v_scale),
+            visible, scale)
     return out
+
+
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor,  # (T, hidden); overwritten with the normalized rows
+    residual: torch.Tensor | None,  # (T, hidden); overwritten with x + residual
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> torch.Tensor:  # x
+    """HF's LlamaRMSNorm after the residual add (none when residual is None), in place."""
+    dtype = x.dtype
+    if residual is not None:
+        residual.copy_(x + residual)  # rounds to the dtype once, as the decoder layer does
+    src = (x if residual is None else residual).float()
+    normed = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + eps)
+    x.copy_((normed.to(dtype).float() * weight.float()).to(dtype))
+    return x
+
+
+def rope_qk_store_ref(
+    qkv: torch.Tensor,  # (T, W): q heads, k heads, v heads, head_dim columns each
+    cos: torch.Tensor,  # (max_positions, head_dim)
+    sin: torch.Tensor,  # (max_positions, head_dim), first half negated
+    positions: torch.Tensor,  # (T,)
+    num_q_heads: int,
+    num_kv_heads: int,
+    caches: tuple[torch.Tensor, torch.Tensor] | None,  # (k_cache, v_cache)
+    slots: torch.Tensor | None,  # (T,)
+) -> None:
+    """rope_qk (caches None: q and k rotated in place) or rope_qk_store (q rotated in place,
+    rotated k and v written to the caches at `slots`, qkv's k left as it was)."""
+    d = cos.shape[1]
+    t = qkv.shape[0]
+    heads = num_q_heads + num_kv_heads
+    x = qkv[:, : heads * d].view(t, heads, d)
+    c, s = cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1)  # (T, 1, D)
+    rotated = x * c + torch.roll(x, d // 2, dims=-1) * s  # (T, heads, D), rounds per op
+    if caches is None:
+        x.copy_(rotated)
+        return
+    assert slots is not None
+    x[:, :num_q_heads] = rotated[:, :num_q_heads]
+    v = qkv[:, heads * d : (heads + num_kv_heads) * d].view(t, num_kv_heads, d)
+    store_kv_ref(caches[0], caches[1], rotated[:, num_q_heads:], v, slots)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * inter) -> (T, inter)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,6 +1,7 @@
 """Scatter this forward's new K/V rows into the paged KV pool.
 
-Owns: the store kernel and its wrapper. Does not know: pages, requests or the radix tree;
+Owns: the store kernel and its wrapper (an 8-bit cache stores x / scale of its KV head,
+saturated to the format's range, rounded to nearest even as torch's cast does). Does not know: pages, requests or the radix tree;
 a slot is just a row index of the (num_slots, kv_heads, head_dim) caches.
 """
 
@@ -17,16 +18,31 @@ from triton_kernels._common import (
     check_heads_last_contiguous,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_launchable,
 )
 
 
 @triton.jit
+def _round_to_grid(y, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # y (fp32, in the format's range) rounded to nearest even on the 8-bit format's grid: its
+    # spacing is 2^(exponent - MAN_BITS), at least 2^(MIN_EXP - MAN_BITS) (the subnormals).
+    # Exact fp32 arithmetic: the exponent read from the bits, the rounding by adding and
+    # removing 1.5 * 2^23 (|y / spacing| < 2^(MAN_BITS + 1)).
+    exp = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, MIN_EXP) - MAN_BITS
+    spacing = ((exp + 127) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23
+    return ((y / spacing + magic) - magic) * spacing
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_cache, v_cache, k, v, slots,
+    k_cache, v_cache, k, v, slots, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    PRE_ROUND: tl.constexpr, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
 ):
     # One program per token: its (heads, head_dim) tile moves as one block.
     t = tl.program_id(0)
@@ -37,6 +53,16 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k_tile = tl.load(k + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v_tile = tl.load(v + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if QUANT:  # x / scale of its head, saturated, rounded to the 8-bit format
+        ks = tl.load(k_scale + offs_h, mask=offs_h < NUM_HEADS, other=1.0)  # (H,)
+        vs = tl.load(v_scale + offs_h, mask=offs_h < NUM_HEADS, other=1.0)
+        k_tile = tl.clamp(k_tile.to(tl.float32) / ks[:, None], -FP8_MAX, FP8_MAX)
+        v_tile = tl.clamp(v_tile.to(tl.float32) / vs[:, None], -FP8_MAX, FP8_MAX)
+        if PRE_ROUND:  # the interpreter's fp32 -> fp8 cast drops the rounding carry
+            k_tile = _round_to_grid(k_tile, MAN_BITS, MIN_EXP)
+            v_tile = _round_to_grid(v_tile, MAN_BITS, MIN_EXP)
+        k_tile = k_tile.to(k_cache.dtype.element_ty)
+        v_tile = v_tile.to(v_cache.dtype.element_ty)
     # The caches are contiguous: slot-major, then head, then head_dim.
     dst = slot * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(k_cache + dst, k_tile, mask=mask)
@@ -49,8 +75,10 @@ def store_kv(
     k: torch.Tensor,  # (T, kv_heads, head_dim)
     v: torch.Tensor,  # (T, kv_heads, head_dim)
     slots: torch.Tensor,  # (T,) int32/int64, distinct, each in [0, num_slots)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache[slots] = k; v_cache[slots] = v.
+    """k_cache[slots] = k; v_cache[slots] = v (an 8-bit cache: k / k_scale[h], saturated).
 
     Slots are not range-checked on the device (that would need a sync): the caller owns them.
     """
@@ -60,17 +88,20 @@ def store_kv(
     check_heads_last_contiguous("k", k, num_heads, head_dim)
     check_heads_last_contiguous("v", v, num_heads, head_dim)
     assert v.shape[0] == num_tokens, f"k has {num_tokens} tokens, v has {v.shape[0]}"
-    assert k.dtype == k_cache.dtype and v.dtype == k_cache.dtype, (
-        f"k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {k_cache.dtype}"
-    )
+    assert k.dtype == v.dtype, f"k/v dtypes {k.dtype}/{v.dtype} differ"
+    quant = check_kv_scales(k_cache, k_scale, v_scale, k.dtype)
     assert k.device == k_cache.device and v.device == k_cache.device
     check_index("slots", slots, num_tokens, k_cache.device)
     if num_tokens == 0:
         return
     check_launchable(_store_kv_kernel, k_cache.device)
     _store_kv_kernel[(num_tokens,)](
-        k_cache, v_cache, k, v, slots,
+        k_cache, v_cache, k, v, slots, k_scale if quant else k, v_scale if quant else v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=quant, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 0.0,
+        PRE_ROUND=quant and k_cache.device.type == "cpu",
+        MAN_BITS=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
+        MIN_EXP=-6 if k_cache.dtype == torch.float8_e4m3fn else -14,
     )

@@ -20,9 +20,13 @@ import triton.language as tl
 from triton_kernels._common import is_interpreted
 from triton_kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
 from triton_kernels.extend_attention import _extend_kernel
+from triton_kernels.fused_add_rmsnorm import _rmsnorm_kernel
+from triton_kernels.rope import _rope_kernel
+from triton_kernels.silu_mul import _silu_mul_kernel
 from triton_kernels.store_kv import _store_kv_kernel
 
-KERNELS = (_store_kv_kernel, _decode_split_kernel, _decode_merge_kernel, _extend_kernel)
+KERNELS = (_store_kv_kernel, _decode_split_kernel, _decode_merge_kernel, _extend_kernel,
+           _rmsnorm_kernel, _rope_kernel, _silu_mul_kernel)
 
 
 class InterpreterOffError(RuntimeError):
@@ -46,3 +50,12 @@ def default_device() -> torch.device:
             "tests/conftest.py, before transformers (which imports triton)"
         )
     return torch.device("cpu")
+
+
+def device_or_error() -> tuple[torch.device, str]:
+    """(default_device(), "") or (cpu, why the kernels cannot run): a test module calls it at
+    import and fails its kernel tests with the message, rather than the whole collection."""
+    try:
+        return default_device(), ""
+    except InterpreterOffError as e:
+        return torch.device("cpu"), str(e)

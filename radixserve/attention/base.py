@@ -1,7 +1,8 @@
 """The attention-backend seam: metadata every backend reads, and the backend protocol.
 
-Owns: AttentionMetadata (built once per forward by the model runner, read by every layer)
-and the AttentionBackend protocol. Does not know: how a backend computes attention.
+Owns: AttentionMetadata (built once per forward by the model runner, read by every layer),
+the AttentionBackend protocol and StoredKVAttention (a backend that can also attend over
+K/V the model stored itself, e.g. fused with RoPE). Does not know: how a backend computes attention.
 
 KV layout (shared with triton_kernels/): per layer, K and V are (num_slots, kv_heads, head_dim)
 tensors; slot = page * page_size + offset. `slot_table[row, i]` is the slot of token i of the
@@ -17,10 +18,11 @@ prefill chunk's length, or 1 for a decode).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from radixserve.attention.kv_quant import KVScale
 from radixserve.types import Phase
 
 
@@ -68,7 +70,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Stores this forward's K/V into the pool, then attends through the slot table."""
+    """Stores this forward's K/V into the pool, then attends through the slot table.
+
+    An 8-bit pool (--kv-cache-dtype fp8*) comes with the layer's scales (attention/kv_quant.py):
+    the backend stores x / scale in 8 bits and reads stored * scale; None for a pool in the
+    model's dtype.
+    """
 
     def forward(
         self,
@@ -77,6 +84,23 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # (T, num_kv_heads, head_dim)
         k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim), written in place
         v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim), written in place
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: KVScale | None = None,
+    ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
+        ...
+
+
+@runtime_checkable
+class StoredKVAttention(Protocol):
+    """A backend that can skip its own store: this forward's K/V are already in the pool at
+    `meta.out_slots` (written by the model, e.g. by triton_kernels.rope_qk_store)."""
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (T, num_q_heads, head_dim), any token stride
+        k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)

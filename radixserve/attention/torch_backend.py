@@ -17,6 +17,9 @@ was given it: one kernel row per new token, its own causal range read in place, 
 merged as above;
 long prefill chunks likewise go to the native causal prefill kernel when given (varlen.py).
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
+An 8-bit pool (--kv-cache-dtype fp8*; the layer's scales passed with each call) is stored
+quantized (kv_quant.store), read in place by the native decode kernel, and dequantized by
+every torch path as it gathers (kv_read.KVReader).
 Does not know: the model, the scheduler.
 
 On CPU every partial attention is one call of torch's fused flash kernel, which also returns
@@ -37,6 +40,8 @@ import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention
+from radixserve.attention.kv_quant import KVScale, store
+from radixserve.attention.kv_read import KVReader, Scratch
 from radixserve.attention.varlen import (
     Split,
     attend_long,
@@ -79,41 +84,17 @@ def _attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.matmul(probs.to(values.dtype), values), lse
 
 
-class Scratch:
-    """Reused buffers that K/V are gathered into from the pool.
-
-    A gather into fresh memory pays the page faults of a new multi-MB tensor on every layer;
-    a reused buffer avoids them (figures: bench/README.md). Invariant: what gather() returns is consumed
-    before the next gather of that key.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor, key: str) -> torch.Tensor:
-        """cache (S, Hkv, D)[slots] -> (len(slots), Hkv, D), in a buffer reused per key."""
-        n, row = slots.shape[0], cache[0].numel()
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < n * row or buf.dtype != cache.dtype or (
-                buf.device != cache.device):
-            buf = torch.empty(n * row, dtype=cache.dtype, device=cache.device)
-            self._bufs[key] = buf
-        out = buf[: n * row].view(n, row)
-        torch.index_select(cache.view(cache.shape[0], row), 0, slots, out=out)
-        return out.view(n, *cache.shape[1:])
-
-
 @dataclass
 class _Group:
     token_rows: torch.Tensor | None  # (N,) rows of q of the group's tokens; None: all tokens
     slots: torch.Tensor  # (S,) the shared prefix
     first_slot: int | None  # set when the slots are consecutive: a view replaces the gather
 
-    def keys(self, cache: torch.Tensor, scratch: Scratch, key: str) -> torch.Tensor:
+    def keys(self, cache: torch.Tensor, reader: KVReader, key: str) -> torch.Tensor:
         """(S, Hkv, D): a view where the slots are consecutive, else a gather."""
         if self.first_slot is not None:
-            return cache.narrow(0, self.first_slot, self.slots.shape[0])
-        return scratch.gather(cache, self.slots, key)
+            return reader.narrow(cache, self.first_slot, self.slots.shape[0], key)
+        return reader.gather(cache, self.slots, key)
 
 
 @dataclass
@@ -242,9 +223,12 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,  # (S, Hkv, D)
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale | None = None,
     ) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.out_slots, k)
-        v_cache.index_copy_(0, meta.out_slots, v)
+        kscale, vscale = (None, None) if kv_scale is None else kv_scale
+        store(k_cache, meta.out_slots, k, kscale)
+        store(v_cache, meta.out_slots, v, vscale)
+        reader = KVReader(self.scratch, kv_scale, q.dtype)
         if meta is not self._plan_meta:
             new_split = split_batch(meta)
             plan = None
@@ -254,62 +238,64 @@ class TorchAttentionBackend:
         split = self._split
         assert split is not None
         if not split.long:
-            return self._short(q, k_cache, v_cache, meta, scale)
+            return self._short(q, k_cache, v_cache, meta, scale, reader)
         # Long prefill chunks one by one; decode tokens and short prefill chunks of the
         # same batch (a mixed step) through the cascade, on their own rows of q.
         out = torch.empty_like(q)
         if split.short_meta is not None:
             assert split.short_rows is not None
             short = self._short(q.index_select(0, split.short_rows), k_cache, v_cache,
-                                split.short_meta, scale)
+                                split.short_meta, scale, reader)
             out.index_copy_(0, split.short_rows, short)
-        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, self.scratch.gather,
-                    self.prefill)
+        attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, reader.gather,
+                    self.prefill, kv_scale)
         return out
 
     def _short(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, reader: KVReader) -> torch.Tensor:
         if self._plan is None:
-            return self._per_request(q, k_cache, v_cache, meta, scale)
+            return self._per_request(q, k_cache, v_cache, meta, scale, reader)
         if isinstance(self._plan, _DecodePlan):
-            return self._decode_native(q, k_cache, v_cache, self._plan, scale)
-        return self._cascade(q, k_cache, v_cache, self._plan, scale)
+            return self._decode_native(q, k_cache, v_cache, self._plan, scale, reader)
+        return self._cascade(q, k_cache, v_cache, self._plan, scale, reader)
 
     def _decode_native(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       plan: _DecodePlan, scale: float) -> torch.Tensor:
+                       plan: _DecodePlan, scale: float, reader: KVReader) -> torch.Tensor:
         """Each request's own part by the native kernel, then its shared group merged in."""
         assert self.paged_decode is not None
         T, Hq, D = q.shape  # one kernel row per new token
         Hkv = k_cache.shape[1]
+        kscale, vscale = (None, None) if reader.kv_scale is None else reader.kv_scale
         out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
-                                     plan.starts, plan.seq_lens, scale)  # (T, Hq, D), (T, Hq)
+                                     plan.starts, plan.seq_lens, scale, kscale,
+                                     vscale)  # (T, Hq, D), (T, Hq)
         out, lse = out.view(T, Hkv, Hq // Hkv, D), lse.view(T, Hkv, Hq // Hkv)
         for g in plan.groups:  # disjoint: each token is merged at most once
-            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, self.scratch)
+            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader)
         return out.reshape(T, Hq, D)
 
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 plan: _Plan, scale: float) -> torch.Tensor:
+                 plan: _Plan, scale: float, reader: KVReader) -> torch.Tensor:
         T, Hq, D = q.shape
         Hkv = k_cache.shape[1]
         G = Hq // Hkv
         B, Nq, Lo = plan.num_reqs, plan.max_new, plan.own_len
         qp = q if plan.q_rows is None else q.index_select(0, plan.q_rows)  # (B * Nq, Hq, D)
         qp = qp.reshape(B, Nq, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, Nq * G, D)
-        keys = self.scratch.gather(k_cache, plan.own_slots, "k").view(B, Lo, Hkv, D).transpose(1, 2)
-        values = self.scratch.gather(v_cache, plan.own_slots, "v").view(B, Lo, Hkv, D).transpose(1, 2)
+        keys = reader.gather(k_cache, plan.own_slots, "k").view(B, Lo, Hkv, D).transpose(1, 2)
+        values = reader.gather(v_cache, plan.own_slots, "v").view(B, Lo, Hkv, D).transpose(1, 2)
         out, lse = _attend(qp, keys, values, plan.mask, scale)  # (B,Hkv,Nq*G,D), (B,Hkv,Nq*G)
         out = out.reshape(B, Hkv, Nq, G, D).transpose(1, 2).reshape(B * Nq, Hkv, G, D)
         lse = lse.reshape(B, Hkv, Nq, G).transpose(1, 2).reshape(B * Nq, Hkv, G)
         if plan.out_rows is not None:
             out, lse = out.index_select(0, plan.out_rows), lse.index_select(0, plan.out_rows)
         for g in plan.groups:  # disjoint: each token is merged at most once
-            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, self.scratch)
+            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader)
         return out.reshape(T, Hq, D)
 
     @staticmethod
     def _merge_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
-                     out: torch.Tensor, lse: torch.Tensor, scale: float, scratch: Scratch
+                     out: torch.Tensor, lse: torch.Tensor, scale: float, reader: KVReader
                      ) -> torch.Tensor:
         """Attend the group's tokens to its shared prefix and merge into `out` (T, Hkv, G, D)
         by log-sum-exp: o = o_prefix + sigmoid(lse_own - lse_prefix) * (o_own - o_prefix)."""
@@ -317,8 +303,8 @@ class TorchAttentionBackend:
         gq = q if g.token_rows is None else q.index_select(0, g.token_rows)  # (N, Hq, D)
         N = gq.shape[0]
         gq = gq.reshape(N, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, N * G, D)
-        gk = g.keys(k_cache, scratch, "k").transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
-        gv = g.keys(v_cache, scratch, "v").transpose(0, 1).unsqueeze(0)
+        gk = g.keys(k_cache, reader, "k").transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
+        gv = g.keys(v_cache, reader, "v").transpose(0, 1).unsqueeze(0)
         o2, lse2 = _attend(gq, gk, gv, None, scale)  # (1, Hkv, N*G, D), (1, Hkv, N*G)
         o2 = o2.reshape(Hkv, N, G, D).transpose(0, 1)  # (N, Hkv, G, D)
         lse2 = lse2.reshape(Hkv, N, G).transpose(0, 1)  # (N, Hkv, G)
@@ -331,15 +317,15 @@ class TorchAttentionBackend:
         return out.index_copy(0, g.token_rows, merged)
 
     def _per_request(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, reader: KVReader) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for row, prefix, n in zip(meta.rows_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu,
                                   strict=True):
             total = prefix + n
             slots = meta.slot_table[row, :total]  # (total,)
-            keys = self.scratch.gather(k_cache, slots, "k").transpose(0, 1).unsqueeze(0)
-            values = self.scratch.gather(v_cache, slots, "v").transpose(0, 1).unsqueeze(0)
+            keys = reader.gather(k_cache, slots, "k").transpose(0, 1).unsqueeze(0)
+            values = reader.gather(v_cache, slots, "v").transpose(0, 1).unsqueeze(0)
             qb = q[start : start + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
             if prefix == 0:
                 o = F.scaled_dot_product_attention(

@@ -1,7 +1,9 @@
 """Attention backend on the Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
 Owns: mapping one layer's forward onto triton_kernels: store this forward's K/V, then paged
-decode (split-K) or prefill (extend) attention. Does not know: the model, the scheduler, how slots are
+decode (split-K) or prefill (extend) attention; `attend` alone where the model stored the K/V
+itself (fused with RoPE: model/fused_forward.py); an 8-bit pool's layer scales go to all
+three kernels (stored = x / scale, read = stored * scale). Does not know: the model, the scheduler, how slots are
 allocated. Reads only what AttentionMetadata carries; no host-device sync.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.attention.base import AttentionMetadata
+from radixserve.attention.kv_quant import KVScale
 from radixserve.types import Phase
 from triton_kernels import decode_attention, extend_attention, store_kv
 
@@ -31,14 +34,28 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # (num_slots, Hkv, D), written in place
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
-        store_kv(k_cache, v_cache, k, v, meta.out_slots)
+        ks, vs = (None, None) if kv_scale is None else kv_scale
+        store_kv(k_cache, v_cache, k, v, meta.out_slots, ks, vs)
+        return self.attend(q, k_cache, v_cache, meta, scale, kv_scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k_cache: torch.Tensor,  # (num_slots, Hkv, D), this forward's K/V already stored
+        v_cache: torch.Tensor,  # (num_slots, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: KVScale | None = None,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        ks, vs = (None, None) if kv_scale is None else kv_scale
         if meta.phase is Phase.DECODE:
             return decode_attention(
                 q, k_cache, v_cache, meta.slot_table, meta.rows, meta.seq_lens, scale,
-                num_splits=self.num_kv_splits,
+                num_splits=self.num_kv_splits, k_scale=ks, v_scale=vs,
             )
         return extend_attention(
             q, k_cache, v_cache, meta.slot_table, meta.rows, meta.prefix_lens,
-            meta.extend_lens, meta.cu_extend, meta.max_extend_len, scale,
+            meta.extend_lens, meta.cu_extend, meta.max_extend_len, scale, k_scale=ks, v_scale=vs,
         )

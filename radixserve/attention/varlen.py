@@ -27,6 +27,7 @@ import torch
 
 from radixserve.attention.base import AttentionMetadata, SharedPrefix
 from radixserve.attention.cpu_kernels import PREFILL_HEAD_DIMS, PrefillAttention
+from radixserve.attention.kv_quant import KVScale
 
 # A prefill chunk this long is attended on its own: padding it into a block with the others
 # would cost up to (longest / its length) times the work, and its causal mask as much memory.
@@ -146,18 +147,20 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, long: tuple[int, ...],
                 out: torch.Tensor, scale: float, gather: Gather,
-                kernel: PrefillAttention | None = None) -> None:
+                kernel: PrefillAttention | None = None, kv_scale: KVScale | None = None) -> None:
     """Write into out (T, Hq, D) the attention of the long prefill chunks' tokens.
 
     q (T, Hq, D), k/v (T, Hkv, D): this forward's tokens, already stored in the pool.
-    gather(cache, slots, key) reads cached prefix K/V (S, Hkv, D), consumed before the next.
+    gather(cache, slots, key) reads cached prefix K/V (S, Hkv, D) in q's dtype (dequantized from
+    an 8-bit pool), consumed before the next; kv_scale: the layer's scales of an 8-bit pool.
     Queries go in chunks of <= CAUSAL_CHUNK tokens: a chunk attends causally to itself and
     without a mask to this forward's earlier tokens (views of k/v) and to the cached prefix,
     the parts merged by log-sum-exp. With `kernel` (cpu_kernels.load_prefill_attention()),
     each prefill chunk is one call instead: the prefix read in place, causal blocks skipped.
     """
     if kernel is not None and kernel_applies(q, k, v):
-        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel)
+        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel,
+                            gather if kv_scale is not None else None)
         return
     cu = token_offsets(meta.extend_lens_cpu)
 
@@ -193,12 +196,18 @@ def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         long: tuple[int, ...], out: torch.Tensor, scale: float,
-                        kernel: PrefillAttention) -> None:
+                        kernel: PrefillAttention, dequantize: Gather | None) -> None:
     """attend_long through the native kernel: one call per prefill chunk, its whole chunk causal on
-    itself and unmasked on its prefix (slots read from the pool, no gather)."""
+    itself and unmasked on its prefix (slots read from the pool, no gather). An 8-bit pool's
+    prefix is first read through `dequantize` (the kernel converts the whole prefix to fp32
+    blocks anyway, so this costs one pass over the prefix, not over the pool)."""
     cu = token_offsets(meta.extend_lens_cpu)
     for b in long:
         s, e = cu[b], cu[b + 1]
         slots = meta.slot_table[meta.rows_cpu[b], : meta.prefix_lens_cpu[b]]  # (P,) int32
-        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale)
+        kc, vc = k_cache, v_cache
+        if dequantize is not None:
+            kc, vc = dequantize(k_cache, slots, "k"), dequantize(v_cache, slots, "v")  # (P, Hkv, D)
+            slots = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
+        o, _ = kernel(q[s:e], k[s:e], v[s:e], kc, vc, slots, scale)
         out[s:e] = o

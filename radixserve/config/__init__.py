@@ -13,6 +13,7 @@ from radixserve.config.engine_config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
     KV_OFFLOAD_WRITE_POLICIES,
     QUANTIZATIONS,
     SCHEDULE_POLICIES,
@@ -30,9 +31,9 @@ from radixserve.config.server_config import METRICS_COMPAT, TOOL_CALL_PARSERS, S
 from radixserve.config.speculative_config import SpeculativeConfig
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DTYPES", "EVICTION_POLICIES", "KV_EVENT_PUBLISHERS",
-    "KV_OFFLOAD_WRITE_POLICIES", "METRICS_COMPAT", "QUANTIZATIONS", "SCHEDULE_POLICIES",
-    "TIER_BLOCK_SIZE", "TOOL_CALL_PARSERS", "ConfigError", "EngineConfig", "KVEventsConfig",
-    "SchedulePolicy", "ServerConfig", "SpeculativeConfig", "json_object_from",
-    "kv_events_config_from",
+    "ATTENTION_BACKENDS", "DTYPES", "EVICTION_POLICIES", "KV_CACHE_DTYPES",
+    "KV_EVENT_PUBLISHERS", "KV_OFFLOAD_WRITE_POLICIES", "METRICS_COMPAT", "QUANTIZATIONS",
+    "SCHEDULE_POLICIES", "TIER_BLOCK_SIZE", "TOOL_CALL_PARSERS", "ConfigError", "EngineConfig",
+    "KVEventsConfig", "SchedulePolicy", "ServerConfig", "SpeculativeConfig",
+    "json_object_from", "kv_events_config_from",
 ]

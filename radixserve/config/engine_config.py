@@ -12,10 +12,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.config.parsing import ConfigError
+from radixserve.config.parsing import ConfigError, parse_byte_size
 from radixserve.config.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's names: auto stores K/V in the model's dtype; fp8 is fp8_e4m3 (attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 class SchedulePolicy(enum.StrEnum):
@@ -43,6 +45,11 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped)
     kv_cache_tokens: int | None = None  # default: sized from free memory
+    # vLLM's --kv-cache-memory-bytes: the pool's size in bytes (an int, or text with a K/M/G
+    # suffix: lower case powers of 1000, upper case of 1024, as vLLM reads it); exclusive with
+    # kv_cache_tokens
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; fp8: 8-bit K/V with per-head scales
     page_size: int = 1
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
@@ -53,6 +60,11 @@ class EngineConfig:
     schedule_policy: SchedulePolicy = SchedulePolicy.LPM  # a string is parsed at the edge
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    # CUDA graphs for decode and draft-verify steps (engine/cuda_graph.py): SGLang's
+    # --cuda-graph-max-bs is the largest batch captured (larger ones run eager), vLLM's
+    # --enforce-eager captures none. Accepted on CPU, where no graph is used.
+    cuda_graph_max_bs: int = 256
+    enforce_eager: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     enable_kv_events: bool = False
@@ -104,6 +116,7 @@ class EngineConfig:
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"supported: {', '.join(ATTENTION_BACKENDS)}"
             )
+        self._check_kv_cache()
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -112,6 +125,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_tokens must be >= page_size, got {self.kv_cache_tokens}")
         if self.max_running_requests < 1:
             raise ConfigError("max_running_requests must be >= 1")
+        if (isinstance(self.cuda_graph_max_bs, bool) or not isinstance(self.cuda_graph_max_bs, int)
+                or self.cuda_graph_max_bs < 1):
+            raise ConfigError(f"cuda_graph_max_bs must be an integer >= 1, got "
+                              f"{self.cuda_graph_max_bs!r} (--enforce-eager turns graphs off)")
         if self.max_prefill_tokens < 1:
             raise ConfigError("max_prefill_tokens must be >= 1")
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -125,6 +142,20 @@ class EngineConfig:
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
         self._check_tiers()
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_memory_bytes is None:
+            return
+        value = parse_byte_size(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        object.__setattr__(self, "kv_cache_memory_bytes", value)
+        if value < 1:
+            raise ConfigError(f"kv_cache_memory_bytes must be >= 1, got {value}")
+        if self.kv_cache_tokens is not None:
+            raise ConfigError("give the KV pool's size once: kv_cache_tokens or "
+                              "kv_cache_memory_bytes, not both")
 
     def _check_tiers(self) -> None:
         if not self.kv_offload_size > 0 or not self.kv_offload_host_size > 0:

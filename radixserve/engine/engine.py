@@ -99,6 +99,9 @@ class Engine:
             "model": r.resolved.name, "model_path": str(r.resolved.hf_dir),
             "architecture": r.spec.architecture, "max_model_len": r.max_model_len,
             "kv_cache_tokens": r.pool.size.num_slots, "page_size": r.pool.size.page_size,
+            "kv_cache_dtype": r.kv_cache_dtype, "kv_cache_bytes": r.pool.num_bytes,
+            "kv_cache_storage_dtype": str(r.pool.dtype).removeprefix("torch."),
+            "kv_cache_scales": r.kv_scale_source,
             "max_concurrency": r.pool.size.num_slots / r.max_model_len,
             "dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device),
             "quantization": self.cfg.quantization,
@@ -244,6 +247,9 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
+        # Static, but /metrics renders only the stats snapshot: the pool's format and size.
+        stats["kv_cache_dtype"] = self.runner.kv_cache_dtype
+        stats["kv_cache_bytes"] = self.runner.pool.num_bytes
         if self.tiers is not None:
             stats["kv_offload"] = {**self.tiers.stats(),
                                    "tree_tokens": {t.value: n for t, n in

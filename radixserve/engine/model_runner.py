@@ -20,10 +20,12 @@ import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
+from radixserve.attention.kv_quant import is_fp8, storage_dtype
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.varlen import token_offsets
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
+from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
@@ -132,20 +134,43 @@ class ModelRunner:
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
                     f", {cfg.quantization}" if cfg.quantization else "")
-        self.pool = KVPool(self._pool_size(cfg), self.spec.num_layers, self.spec.num_kv_heads,
-                           self.spec.head_dim, cfg.max_running_requests, self.max_model_len,
-                           self.dtype, self.device)
+        self.kv_cache_dtype = cfg.kv_cache_dtype
+        kv_dtype = storage_dtype(cfg.kv_cache_dtype, self.dtype)
+        self.pool = KVPool(self._pool_size(cfg, kv_dtype), self.spec.num_layers,
+                           self.spec.num_kv_heads, self.spec.head_dim, cfg.max_running_requests,
+                           self.max_model_len, kv_dtype, self.device)
         from radixserve.tokenizer import eos_token_ids, load_tokenizer
 
-        self.eos_token_ids = eos_token_ids(load_tokenizer(self.resolved.hf_dir),
-                                           self.spec.eos_token_id)
-        self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
+        tokenizer = load_tokenizer(self.resolved.hf_dir)
+        self.eos_token_ids = eos_token_ids(tokenizer, self.spec.eos_token_id)
+        self.kv_scale_source = None
+        if is_fp8(kv_dtype):
+            from radixserve.engine.kv_calibration import set_pool_scales
 
-    def _pool_size(self, cfg: EngineConfig) -> KVPoolSize:
+            self.kv_scale_source = set_pool_scales(self.pool, self.model, tokenizer,
+                                                   self.resolved.hf_dir, self.max_model_len)
+        self._log_pool()
+        self.kv_scales = self.pool.layer_scales()
+        self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
+        # Last: the graphs read the pool's tensors and replay the model as it now is.
+        self.graphs: CudaGraphRunner | None = start_graphs(
+            cfg, self.device, self.backend_name, self.model, self.pool, self.spec.vocab_size)
+
+    def _log_pool(self) -> None:
+        size, pool = self.pool.size, self.pool
+        how = f", scales per (layer, KV head) from {self.kv_scale_source}" if (
+            self.kv_scale_source) else ""
+        logger.info("KV cache: dtype %s (%s%s), %d tokens, %d bytes (%.2f GiB)",
+                    self.kv_cache_dtype, str(pool.dtype).removeprefix("torch."), how,
+                    size.num_slots, pool.num_bytes, pool.num_bytes / 2**30)
+
+    def _pool_size(self, cfg: EngineConfig, kv_dtype: torch.dtype) -> KVPoolSize:
         per_token = bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads,
-                                    self.spec.head_dim, self.dtype)
+                                    self.spec.head_dim, kv_dtype)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
+        elif cfg.kv_cache_memory_bytes is not None:
+            tokens = cfg.kv_cache_memory_bytes // per_token
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = int(free * GPU_MEMORY_FRACTION) // per_token
@@ -158,11 +183,11 @@ class ModelRunner:
                 f"the KV cache holds {num_pages * cfg.page_size} tokens, fewer than one request of "
                 f"max_model_len {self.max_model_len}; the largest context that fits is "
                 f"{num_pages * cfg.page_size} tokens: lower --max-model-len or raise "
-                f"--kv-cache-tokens"
+                f"--kv-cache-tokens / --kv-cache-memory-bytes"
             )
         size = KVPoolSize(num_pages, cfg.page_size)
         logger.debug("KV cache size: %d tokens (%.2f GiB, %s)", size.num_slots,
-                    size.num_slots * per_token / 2**30, self.dtype)
+                    size.num_slots * per_token / 2**30, kv_dtype)
         logger.debug("Maximum concurrency for %d tokens per request: %.2fx", self.max_model_len,
                     size.num_slots / self.max_model_len)
         return size
@@ -267,8 +292,13 @@ class ModelRunner:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                    self.pool.k, self.pool.v, inputs.logit_rows)
+        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        if self.graphs is not None and key is not None:
+            logits = self.graphs.forward(key, inputs)
+        else:
+            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                        self.pool.k, self.pool.v, inputs.logit_rows,
+                                        self.kv_scales)
         picked = [e for e in batch.entries if e.sample]
         if not picked:
             return SampleResult([], [])

@@ -55,12 +55,26 @@ def model_identity(name: str, hf_dir: Path) -> str:
     return f"{name}#{h.hexdigest()}"
 
 
+def kv_format_identity(runner: ModelRunner) -> str:
+    """"" for a pool in the model's dtype (the fingerprint of every existing block stays as it
+    was); for an 8-bit pool its format and a digest of its scales: bytes stored with other
+    scales, or in another format, are other bytes, so a tier never hands them over."""
+    pool = runner.pool
+    if pool.k_scale is None or pool.v_scale is None:
+        return ""
+    h = xxhash.xxh64()
+    h.update(pool.k_scale.cpu().numpy().tobytes())
+    h.update(pool.v_scale.cpu().numpy().tobytes())
+    return f"|kv={str(pool.dtype).removeprefix('torch.')}#{h.hexdigest()}"
+
+
 def build_tiers(cfg: EngineConfig, runner: ModelRunner) -> KVTiers | None:
     if not cfg.kv_tiers_enabled:
         return None
     spec = runner.spec
-    fp = fingerprint(model_identity(runner.resolved.name, runner.resolved.hf_dir), runner.dtype,
-                     spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    identity = model_identity(runner.resolved.name, runner.resolved.hf_dir) + kv_format_identity(
+        runner)
+    fp = fingerprint(identity, runner.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
     size = int(cfg.kv_offload_size * GIB)
     settings = TierSettings(
         local_dir=None if cfg.kv_offload_dir is None else Path(cfg.kv_offload_dir),

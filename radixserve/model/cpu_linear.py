@@ -122,15 +122,19 @@ class GatedMLP:
         n = sum(_nbytes(p) for p in (self.gate_up, self.gate, self.up))
         return n + (0 if self.gate_up_q is None else self.gate_up_q.nbytes) + self.down.nbytes
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def gate_up_proj(self, x: torch.Tensor) -> torch.Tensor:  # (M, hidden) -> (M, 2 * inter)
+        """The fused projection: gate columns, then up columns (not for prepacked weights)."""
         if self.gate_up_q is not None:
-            gate, up = self.gate_up_q(x).chunk(2, dim=-1)  # (M, inter) each
-            act = F.silu(gate) * up
-        elif self.gate_up is None:
+            return self.gate_up_q(x)
+        assert self.gate_up is not None, "prepacked gate/up weights have no fused projection"
+        return F.linear(x, self.gate_up)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_q is None and self.gate_up is None:
             lp = torch.ops.mkldnn._linear_pointwise
             act = lp(x, self.gate, None, "swish", [], "")  # silu(x @ gate.T): (M, inter)
             act = lp.binary(x, act, self.up, None, "mul")  # (x @ up.T) * act
         else:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)  # (M, inter) each
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (M, inter) each
             act = F.silu(gate) * up
         return self.down.add_to(residual, act)

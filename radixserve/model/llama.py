@@ -5,18 +5,23 @@ norm_rope.py's ops), attention through an
 AttentionBackend, SwiGLU MLP, final norm and the LM head on the rows that need logits, and
 which rows reach the LM head. The linear layers' weight layout is cpu_linear.py's (prepacked
 for oneDNN on CPU) or quant.py's (int8).
+With a backend that attends over K/V the model stores (the Triton backend, i.e. CUDA), the
+forward runs as fused_forward.py's loop instead: RMSNorm with the residual add, RoPE with the
+KV store and SiLU * up as one kernel each (launch counts in that module's docstring).
 Does not know: requests, the scheduler, sampling. Tokens of all requests are concatenated
 (no padding); the AttentionMetadata says which request each token belongs to.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, StoredKVAttention
+from radixserve.attention.kv_quant import KVScale
 from radixserve.model.arch import ModelArch
 from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
 from radixserve.model.int8_kernel import load_int8_gemm
@@ -35,10 +40,30 @@ class _Layer:
     mlp: GatedMLP
 
 
+FusedForward = Callable[..., torch.Tensor]  # fused_forward.fused_forward's signature
+
+
+def _load_fused(backend: AttentionBackend, fused: bool | None) -> FusedForward | None:
+    """fused_forward where the backend can attend over stored K/V (None: decide from it)."""
+    if fused is None:
+        fused = isinstance(backend, StoredKVAttention)
+    if not fused:
+        return None
+    if not isinstance(backend, StoredKVAttention):
+        raise ValueError(f"fused kernels need a backend with attend(), not {type(backend)}")
+    # Imported here: it imports triton, which the CPU path never needs.
+    from radixserve.model.fused_forward import fused_forward
+
+    return fused_forward
+
+
 class LlamaModel:
+    """`fused`: the fused-kernel forward (fused_forward.py); None: on where the backend
+    supports it (the Triton backend), False: llama.py's own loop with any backend."""
+
     def __init__(self, spec: ModelArch, weights: ModelWeights, rotary: RotaryTable,
                  backend: AttentionBackend, quantization: str | None = None,
-                 quantize_lm_head: bool = True) -> None:
+                 quantize_lm_head: bool = True, fused: bool | None = None) -> None:
         self.spec = spec
         self.rotary = rotary
         self.backend = backend
@@ -47,6 +72,7 @@ class LlamaModel:
         self.scale = spec.head_dim**-0.5
         # RMSNorm and RoPE: native single-pass ops on CPU where they build, else torch's
         self.ops = load_norm_rope(weights.embed.device)
+        self.fused = _load_fused(backend, fused)
         # NOTE: the loaded ModelWeights is not kept: its layer weights live on only in their
         # (possibly prepacked) Linear, so the model holds one copy of each.
         self.embed = weights.embed  # (vocab, hidden)
@@ -57,7 +83,9 @@ class LlamaModel:
         self.layers = [
             _Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, q, int8_gemm=gemm),
                    make_linear(lw.o_proj, None, q, int8_gemm=gemm), lw.post_norm,
-                   GatedMLP(lw.gate_up, lw.down, q, int8_gemm=gemm))
+                   # The fused path needs gate_up as one GEMM: no prepacked halves (CPU only).
+                   GatedMLP(lw.gate_up, lw.down, q, prepacked=self.fused is None,
+                            int8_gemm=gemm))
             for lw in weights.layers
         ]
         # Tied embeddings: the packed (or int8) LM head is a second layout of the embedding
@@ -79,7 +107,13 @@ class LlamaModel:
         k_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         v_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         logit_rows: torch.Tensor,  # (N,) which token rows need logits
+        kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
     ) -> torch.Tensor:  # (N, vocab) float32
+        # NOTE: the fused RoPE + store kernel writes the model's dtype, so an 8-bit pool takes
+        # this loop (store and attention quantize/dequantize with the layer's scales).
+        if self.fused is not None and kv_scales is None:
+            return self.fused(self, self.backend, input_ids, positions, meta, k_cache, v_cache,
+                              logit_rows)
         spec, norm, rope = self.spec, self.ops.rms_norm, self.ops.rope_qk
         eps = spec.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # (T, hidden)
@@ -91,7 +125,8 @@ class LlamaModel:
             qk = rope(qkv, cos, sin, num_qk_heads)  # (T, heads + kv_heads, head_dim) rotated
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, qk_size:].view(-1, spec.num_kv_heads, spec.head_dim)
-            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale)
+            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale,
+                                        None if kv_scales is None else kv_scales[i])
             h = layer.o_proj.add_to(h, attn.reshape(-1, self.q_size))  # (T, hidden)
             h = layer.mlp(norm(h, layer.post_norm, eps), h)
         if logit_rows.shape[0] != h.shape[0]:

@@ -1,7 +1,8 @@
 """Rotary position embeddings: cos/sin tables for every position, with Llama-3 scaling.
 
 Owns: inverse frequencies (default, linear, llama3) and the cos/sin tables. Does not know:
-attention, the KV pool, how the rotation is applied (norm_rope.py's rope_qk).
+attention, the KV pool, how the rotation is applied (norm_rope.py's rope_qk,
+or triton_kernels/rope.py on the fused path).
 """
 
 from __future__ import annotations

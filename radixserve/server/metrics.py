@@ -15,7 +15,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 PREFIX = "radixserve:"
@@ -48,6 +53,7 @@ _ENGINE_GAUGES = {
                                   "Cached KV slots not locked by a request."),
     "kv_cache_held_tokens": ("kv_held_tokens", "KV slots held by running requests only."),
     "kv_cache_total_tokens": ("kv_total_tokens", "KV slots in the pool."),
+    "kv_cache_total_bytes": ("kv_cache_bytes", "Bytes of the KV pool's K and V tensors."),
     "spec_decode_mean_acceptance_length": (
         "spec_mean_acceptance_length", "Tokens kept per verified draft (1 + accepted / drafts), "
         "since start; 0 before the first draft."),
@@ -86,6 +92,10 @@ class _EngineStatsCollector(Collector):
         for salt, n in sorted((stats.get("tenant_cached_tokens") or {}).items()):
             tenants.add_metric([self._tenant_label(salt)], float(n))
         yield tenants
+        if "kv_cache_dtype" in stats:
+            yield InfoMetricFamily(PREFIX + "kv_cache_dtype",
+                                   "How the KV pool stores K/V (--kv-cache-dtype).",
+                                   value={"kv_cache_dtype": str(stats["kv_cache_dtype"])})
         yield from _tier_metrics(stats.get("kv_offload"))
 
 

@@ -17,13 +17,9 @@ from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.triton_backend import TritonAttentionBackend
 from radixserve.types import Phase
 from tests.tiny_models import make_tiny_model
-from triton_kernels.testing import InterpreterOffError, default_device
+from triton_kernels.testing import device_or_error
 
-try:
-    DEVICE = default_device()
-    DEVICE_ERROR = ""
-except InterpreterOffError as e:  # fail this module's tests, not the whole collection
-    DEVICE, DEVICE_ERROR = torch.device("cpu"), str(e)
+DEVICE, DEVICE_ERROR = device_or_error()
 
 
 @pytest.fixture

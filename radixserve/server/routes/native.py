@@ -114,6 +114,8 @@ async def server_info(request: web.Request) -> web.Response:
         "status": "ready" if state.ready else state.client.state.value,
         "max_model_len": info.get("max_model_len"),
         "kv_cache_tokens": kv_tokens,
+        "kv_cache_dtype": info.get("kv_cache_dtype"),
+        "kv_cache_bytes": info.get("kv_cache_bytes"),
         "max_concurrency": info.get("max_concurrency"),
         "engine_info": info,
         "engine_config": dataclasses.asdict(cfg.engine),

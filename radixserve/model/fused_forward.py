@@ -1,0 +1,74 @@
+"""The Llama-family decoder loop on fused Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
+
+Owns: the order of one forward when the attention backend can attend over K/V stored by the
+model (attention/base.py's StoredKVAttention: the Triton backend), with the residual stream
+kept apart from the normalized activations as SGLang's fused_add_rmsnorm keeps it.
+Does not know: requests, how the backend attends, the weights' layout (cpu_linear.py,
+quant.py). llama.py chooses this path; its own loop stays the CPU (and torch-backend) path.
+
+Kernel launches per decoder layer, read from the loop below (GEMMs as F.linear issues them,
+a bias fused by addmm):
+  1. fused_add_rmsnorm: residual += previous MLP output; x = input_norm(residual)
+     (layer 0: rms_norm of the embeddings)
+  2. qkv GEMM
+  3. rope_qk_store: q rotated in place, rotated k and v written to the pool's slots
+  4. attention: decode 2 (split-K + merge), prefill 1 (extend)
+  5. o_proj GEMM
+  6. fused_add_rmsnorm: residual += attention output; x = post_norm(residual)
+  7. gate_up GEMM
+  8. silu_mul
+  9. down GEMM
+= 10 a decode layer, 9 a prefill layer. The unfused path (llama.py on CUDA, bf16) launches 31
+and 30: each RMSNorm 8 (vector_norm, square, div, add, rsqrt, mul, cast, mul; 6 in fp32), RoPE 4
+(mul, roll, mul, add), store_kv 1, the o_proj and down residual adds 1 each, silu and mul 2.
+Per forward, outside the layers: the embedding, the final fused_add_rmsnorm, an index_select
+of the sampled rows (prefill only), the LM head and its fp32 cast (the unfused path adds two
+cos/sin lookups). All graph-safe: no host sync, no allocation whose size depends on data.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.attention.base import AttentionMetadata, StoredKVAttention
+from triton_kernels.fused_add_rmsnorm import fused_add_rmsnorm, rms_norm
+from triton_kernels.rope import rope_qk_store
+from triton_kernels.silu_mul import silu_mul
+
+if TYPE_CHECKING:
+    from radixserve.model.llama import LlamaModel
+
+
+def fused_forward(
+    model: LlamaModel,
+    backend: StoredKVAttention,
+    input_ids: torch.Tensor,  # (T,)
+    positions: torch.Tensor,  # (T,)
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
+    logit_rows: torch.Tensor,  # (N,)
+) -> torch.Tensor:  # (N, vocab) float32
+    """LlamaModel.forward's contract, on the fused kernels (llama.py calls it)."""
+    spec, layers = model.spec, model.layers
+    eps, num_heads = spec.rms_norm_eps, spec.num_heads
+    cos, sin = model.rotary.cos, model.rotary.sin  # (max_positions, head_dim) each
+    residual = F.embedding(input_ids, model.embed)  # (T, hidden), updated in place below
+    x = rms_norm(residual, layers[0].input_norm, eps)  # (T, hidden)
+    for i, layer in enumerate(layers):
+        qkv = layer.qkv(x)  # (T, q_size + 2 * kv_size)
+        rope_qk_store(qkv, cos, sin, positions, num_heads, k_cache[i], v_cache[i],
+                      meta.out_slots)
+        q = qkv[:, : model.q_size].view(-1, num_heads, spec.head_dim)  # (T, heads, D) rotated
+        attn = backend.attend(q, k_cache[i], v_cache[i], meta, model.scale)  # (T, heads, D)
+        x = layer.o_proj(attn.reshape(-1, model.q_size))  # (T, hidden)
+        fused_add_rmsnorm(x, residual, layer.post_norm, eps)
+        x = layer.mlp.down(silu_mul(layer.mlp.gate_up_proj(x)))  # (T, hidden)
+        next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else model.final_norm
+        fused_add_rmsnorm(x, residual, next_norm, eps)
+    if logit_rows.shape[0] != x.shape[0]:
+        x = x.index_select(0, logit_rows)  # (N, hidden): only the rows that sample
+    return model.lm_head(x).float()  # (N, vocab)

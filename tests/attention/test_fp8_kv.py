@@ -1,0 +1,159 @@
+"""An 8-bit KV pool on CPU: the native decode kernel reads fp8 rows exactly as the dequantizing
+reference does (every byte code, both head-dim paths), and the torch backend (cascade, groups,
+varlen, native kernels) over an 8-bit pool equals the same backend over the dequantized pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.attention.cpu_kernels import (
+    load_paged_decode,
+    load_prefill_attention,
+    paged_decode_reference,
+)
+from radixserve.attention.kv_quant import (
+    KVScale,
+    dequantize,
+    quantize,
+    scales_from_amax,
+    storage_dtype,
+    store,
+)
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from tests.attention.test_torch_backend import (
+    CASES,
+    HKV,
+    NUM_SLOTS,
+    D,
+    G,
+    build_meta,
+    make_table,
+    reference,
+)
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def test_storage_dtype_names_are_vllms() -> None:
+    assert storage_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert storage_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
+    assert storage_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
+    assert storage_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_store_saturates_and_round_trips_within_the_formats_precision(fmt: torch.dtype) -> None:
+    cache = torch.zeros(10, 2, 8, dtype=fmt)
+    x = torch.randn(3, 2, 8)
+    scale = torch.tensor([0.01, 1.0])
+    x[0, 0, 0] = 1e6  # far past the format's range at scale 0.01
+    store(cache, torch.tensor([7, 2, 5]), x, scale)
+    back = dequantize(cache[[7, 2, 5]], scale, torch.float32)
+    assert torch.isfinite(back).all()
+    assert back[0, 0, 0] == torch.finfo(fmt).max * 0.01  # saturated, not inf / NaN
+    rel = 2.0 ** -(3 if fmt == torch.float8_e4m3fn else 2)  # half a mantissa step, and margin
+    close = (back - x).abs() <= rel * x.abs() + 2 ** -9 * scale[None, :, None]
+    close[0, 0, 0] = True
+    assert close.all()
+
+
+def all_codes_cache(fmt: torch.dtype, hkv: int, d: int) -> torch.Tensor:
+    """(S, hkv, d) holding every finite byte code of the format at least once."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt)
+    codes = codes[torch.isfinite(codes.float())]
+    row = hkv * d
+    reps = -(-row * 8 // codes.numel())
+    return codes.repeat(reps)[: row * 8].view(8, hkv, d)
+
+
+@pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 blocked path; 40: the generic one
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, d: int) -> None:
+    """One key per request: the output is that slot's V row times its scale, exactly."""
+    op = load_paged_decode()
+    assert op is not None
+    hkv, g = 3, 2
+    v8 = all_codes_cache(fmt, hkv, d)
+    k8 = torch.zeros_like(v8)
+    ks, vs = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([0.25, 1.0, 3.0])
+    table = torch.arange(8, dtype=torch.int32).view(8, 1)
+    q = torch.randn(8, hkv * g, d)
+    out, _ = op(q, k8, v8, table, torch.arange(8), torch.zeros(8, dtype=torch.int64),
+                torch.ones(8, dtype=torch.int64), 0.1, ks, vs)
+    want = dequantize(v8, vs, torch.float32).repeat_interleave(g, dim=1)  # (8, hq, d)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("d", [64, 40])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_matches_dequantizing_reference(fmt: torch.dtype, qdtype: torch.dtype,
+                                                      d: int) -> None:
+    op = load_paged_decode()
+    assert op is not None
+    gen = torch.Generator().manual_seed(d)
+    S, hkv, g = 700, 3, 3
+    k = torch.randn(S, hkv, d, generator=gen) * torch.tensor([0.5, 2.0, 8.0])[None, :, None]
+    v = torch.randn(S, hkv, d, generator=gen)
+    ks = scales_from_amax(k.abs().amax(dim=(0, 2)), fmt)
+    vs = scales_from_amax(v.abs().amax(dim=(0, 2)), fmt)
+    k8, v8 = quantize(k, ks, fmt), quantize(v, vs, fmt)
+    lens = [1, 15, 16, 17, 300, 650]
+    starts = [0, 3, 0, 16, 100, 0]
+    table = torch.stack([torch.randperm(S, generator=gen)[:650].int() for _ in lens])
+    q = torch.randn(len(lens), hkv * g, d, generator=gen).to(qdtype)
+    args = (table, torch.arange(len(lens)), torch.tensor(starts), torch.tensor(lens), 0.125)
+    out, lse = op(q, k8, v8, *args, ks, vs)
+    ref, ref_lse = paged_decode_reference(q, dequantize(k8, ks, torch.float32),
+                                          dequantize(v8, vs, torch.float32), *args)
+    tol = 1e-5 if qdtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_refuses_an_8bit_pool_without_scales() -> None:
+    op = load_paged_decode()
+    assert op is not None
+    cache = torch.zeros(4, 1, 64, dtype=torch.float8_e4m3fn)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="k_scale and v_scale"):
+        op(torch.zeros(1, 2, 64), cache, cache, torch.zeros(1, 4, dtype=torch.int32),
+           torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), one, 0.1)
+
+
+def on_grid(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """x moved onto the 8-bit grid (what the pool will hold), in fp32."""
+    return dequantize(quantize(x, scale, fmt), scale, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_backend_over_8bit_pool_equals_backend_over_dequantized_pool(case: str, kernel: str,
+                                                                     fmt: torch.dtype) -> None:
+    phase, prefix_lens, extend_lens, groups = CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 1)
+    seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    table = make_table(seq, groups, False, gen)
+    meta = build_meta(phase, prefix_lens, extend_lens, table, groups)
+    T = sum(extend_lens)
+    spread = torch.tensor([1.0, 5.0])[None, :, None]
+    k_raw = torch.randn(NUM_SLOTS, HKV, D, generator=gen) * spread
+    v_raw = torch.randn(NUM_SLOTS, HKV, D, generator=gen)
+    ks = scales_from_amax(k_raw.abs().amax(dim=(0, 2)), fmt)
+    vs = scales_from_amax(v_raw.abs().amax(dim=(0, 2)), fmt)
+    k8, v8 = quantize(k_raw, ks, fmt), quantize(v_raw, vs, fmt)
+    q = torch.randn(T, HKV * G, D, generator=gen)
+    # the new tokens' K/V already on the grid: the long-prefill path attends to them as given,
+    # every other path as stored; on the grid both are the same values
+    k = on_grid(torch.randn(T, HKV, D, generator=gen) * spread, ks, fmt)
+    v = on_grid(torch.randn(T, HKV, D, generator=gen), vs, fmt)
+    backend = TorchAttentionBackend()
+    if kernel == "native":
+        backend = TorchAttentionBackend(load_paged_decode(), load_prefill_attention())
+    out = backend.forward(q, k, v, k8, v8, meta, D**-0.5, KVScale(ks, vs))
+    k_full, v_full = dequantize(k8, ks, torch.float32), dequantize(v8, vs, torch.float32)
+    assert torch.equal(k_full[meta.out_slots], k) and torch.equal(v_full[meta.out_slots], v)
+    ref = reference(q, k_full, v_full, meta, D**-0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
