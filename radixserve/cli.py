@@ -94,6 +94,8 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
      "drop a client that accepts no response bytes for this long (streams and large answers)"),
     ("--shutdown-timeout", float, "shutdown_timeout",
      "SIGTERM: seconds in-flight requests get to finish"),
+    ("--responses-store-size", int, "responses_store_size", "stored /v1/responses kept for "
+     "previous_response_id and GET (least recently used dropped; 0: none; default 10000)"),
 ]
 
 
@@ -134,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
                        help="vllm: /metrics also carries vllm:num_requests_waiting, "
                             "vllm:num_requests_running and vllm:kv_cache_usage_perc")
+    serve.add_argument("--structured-outputs-allow-additional-properties", action="store_true",
+                       default=None, dest="structured_outputs_allow_additional_properties",
+                       help="let JSON schemas' objects generate properties they do not name "
+                            "(JSON Schema's default); off: only named ones unless the schema "
+                            "asks for more (vLLM's default)")
     serve.add_argument("--restart-engine", action="store_true", default=None,
                        help="restart a dead engine process (with backoff) instead of exiting 1")
     return parser
@@ -151,7 +158,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
         "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
-        "enforce_eager"]
+        "structured_outputs_allow_additional_properties", "enforce_eager"]
     engine_kwargs = given(engine_names)
     kv_zmq = None
     if args.kv_events_config is not None:

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from radixserve.api.constraints.check import ConstraintChecker
 from radixserve.api.lengths import choice_seed
 from radixserve.api.tools.stream import tool_message
 from radixserve.config import EngineConfig, kv_events_config_from
 from radixserve.engine.engine import Engine
-from radixserve.grammar.validate import check_constraint
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.types import InvalidRequestError, SamplingParams, TemplateOptions, TokenLogprobs
 
@@ -83,6 +83,10 @@ class LLM:
 
         self.tokenizer = load_tokenizer(self.engine.runner.resolved.hf_dir)
         self._ids = itertools.count()
+        # Schemas are checked as the engine compiles them (closed objects unless the engine's
+        # structured_outputs_allow_additional_properties): InvalidRequestError, as vLLM raises.
+        self._check = ConstraintChecker(allow_additional_properties=self.engine.cfg
+                                        .structured_outputs_allow_additional_properties)
         self.kv_events: OfflineKVEvents | None = None
         if kv_cfg is not None and kv_cfg.publishes:
             from radixserve.kv_events.zmq_stream import OfflineKVEvents
@@ -123,7 +127,7 @@ class LLM:
         priorities = _per_prompt(priority, n, int, "priority")
         for p in params_list:
             if p.constraint is not None:
-                check_constraint(p.constraint, "constraint")  # InvalidRequestError, as vLLM raises
+                self._check(p.constraint, "constraint")
         results: dict[str, RequestOutput] = {}  # every sequence, by engine request id
         firsts: list[RequestOutput] = []  # sequence 0 of each prompt, in order
         try:
@@ -186,7 +190,7 @@ class LLM:
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         options = TemplateOptions(add_generation_prompt and not continue_final_message,
                                   continue_final_message, dict(chat_template_kwargs or {}))
-        spec = parse_tools({"tools": tools, "tool_choice": tool_choice}, check_constraint)
+        spec = parse_tools({"tools": tools, "tool_choice": tool_choice}, self._check)
         try:
             fmt = get_format(tool_call_parser)
         except ValueError as e:

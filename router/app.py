@@ -28,6 +28,7 @@ from prometheus_client.registry import CollectorRegistry
 from router.config import ConfigError, RouterConfig, normalize_worker_url
 from router.discovery import DiscoveryConfig, attach_discovery
 from router.fleet.canary import SplitUpdateError
+from router.fleet.response_owners import stored_response
 from router.metrics import make_registry
 from router.proxy.forward import error_response, no_worker_response, proxy
 from router.routing.core import Router
@@ -75,6 +76,15 @@ def _proxied(kind: RequestKind | None) -> Handler:
         return await proxy(request, router, router.session, kind)
 
     return handler
+
+
+async def _stored_response(request: web.Request) -> web.Response:
+    """GET / DELETE a stored response: on the replica that holds it (response_owners.py)."""
+    router = request.app[ROUTER_KEY]
+    urls = [w.url for w in router.pool.routable()]
+    if not urls:
+        return no_worker_response()
+    return await stored_response(request, router.session, router.responses, urls)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -261,6 +271,9 @@ def create_app(cfg: RouterConfig, encoder: PromptEncoder | None = None,
     app.router.add_post("/v1/chat/completions", _proxied(RequestKind.CHAT))
     app.router.add_post("/v1/responses", _proxied(RequestKind.RESPONSES))
     app.router.add_post("/generate", _proxied(RequestKind.GENERATE))
+    app.router.add_get("/v1/responses/{response_id}", _stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", _stored_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", _stored_response)
     app.router.add_get("/v1/models", _proxied(None))
     app.router.add_post("/tokenize", _proxied(None))  # any replica: they share the tokenizer
     app.router.add_post("/detokenize", _proxied(None))

@@ -280,7 +280,7 @@ def parse_chat(body: Any, call_format: str = "hermes",
                        template)
 
 
-def parse_generate(body: Any) -> GenerateRequest:
+def parse_generate(body: Any, check: Check = check_constraint) -> GenerateRequest:
     """SGLang's native shape: `text` or `input_ids`, a `sampling_params` object, `stream`."""
     body = check_fields(body, GENERATE_FIELDS)
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
@@ -299,7 +299,7 @@ def parse_generate(body: Any) -> GenerateRequest:
     sp = check_fields({} if sp is None else sp, GENERATE_SAMPLING_FIELDS, "sampling_params")
     if get_int(sp, "n", lo=1) not in (None, 1):
         raise bad("native /generate takes n = 1 only", "n")
-    constraint = parse_native_constraint(sp)
+    constraint = parse_native_constraint(sp, check)
     renamed = {k: v for k, v in sp.items() if k not in ("max_new_tokens", "min_new_tokens", "n")}
     renamed["max_tokens"] = sp.get("max_new_tokens", GENERATE_DEFAULT_MAX_TOKENS)
     renamed["min_tokens"] = sp.get("min_new_tokens")

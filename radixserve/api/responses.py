@@ -5,20 +5,25 @@ Owns: turning a Responses body (`input` items, `instructions`, function `tools`,
 then validates like any chat request, and `ResponsesEcho`, the request's settings a Response
 object repeats. Input items map to chat messages: a message item to its role (developer ->
 system), `function_call` items to the preceding assistant turn's tool_calls (or a new one),
-`function_call_output` items to tool messages. What this server does not do is a 400 naming
-the field: stored responses (`previous_response_id`, `conversation`, item references, `store`
-is accepted but nothing is kept), images and files, built-in tools, background runs. The text's
+`function_call_output` items to tool messages. `previous_response_id` continues a stored
+response (response_store.py): its conversation items come first, then this `input`, and the
+whole list is turned into messages as if the request had sent it all (`instructions` are this
+request's own, as OpenAI does). What this server does not do is a 400 naming the field:
+`conversation`, item references, images and files, built-in tools, background runs. The text's
 logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`) are served without tools.
-Does not know: tokenizers, the engine, the wire format of a Response (server/routes/responses.py).
+Does not know: tokenizers, the engine, where responses are stored, the wire format of a
+Response (server/routes/responses.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.api.fields import bad, check_fields, get_int
+from radixserve.api.fields import bad, check_fields, get_bool, get_int
 from radixserve.api.protocol import MAX_LOGPROBS
+from radixserve.api.response_store import normalize_input
 
 # Sampling extras vLLM's Responses route also takes; parse_chat validates them.
 _SAMPLING_EXTRAS = frozenset({
@@ -31,13 +36,12 @@ _PASSED = frozenset({"model", "temperature", "top_p", "stream", "parallel_tool_c
                      "prompt_cache_key"})
 _HANDLED = frozenset({"input", "instructions", "max_output_tokens", "tools", "tool_choice",
                       "text", "store", "metadata", "user", "service_tier", "safety_identifier",
-                      "include", "top_logprobs"})
+                      "include", "top_logprobs", "previous_response_id"})
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served
 # Accepted at their no-op value only: anything else asks for what this server does not do.
 _NEUTRAL: dict[str, tuple[Any, str]] = {
-    "previous_response_id": (None, "this server keeps no responses: send the whole "
-                                   "conversation in 'input'"),
-    "conversation": (None, "this server keeps no conversations: send them in 'input'"),
+    "conversation": (None, "conversations are not supported: chain responses with "
+                           "'previous_response_id' or send the history in 'input'"),
     "prompt": (None, "stored prompt templates are not supported"),
     "background": (False, "background responses are not supported"),
     "truncation": ("disabled", "only 'disabled' is supported (an over-long input is a 400)"),
@@ -61,6 +65,8 @@ class ResponsesEcho:
     parallel_tool_calls: bool = True
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
+    store: bool = True  # OpenAI's default: kept for previous_response_id and GET
+    previous_response_id: str | None = None
 
 
 def _neutral(body: dict[str, Any]) -> None:
@@ -214,10 +220,44 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return top or 0
 
 
+# previous_response_id -> the stored conversation items; raises APIError 404 when there is
+# none for this caller.
+History = Callable[[str], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    chat: dict[str, Any]  # the chat-completions body it amounts to
+    echo: ResponsesEcho
+    input_items: list[dict[str, Any]]  # the whole conversation it answers, as stored
+
+
+def _previous(body: dict[str, Any], history: History) -> list[dict[str, Any]]:
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return []
+    if not isinstance(prev, str) or not prev:
+        raise bad("'previous_response_id' must be a non-empty string", "previous_response_id")
+    return history(prev)
+
+
+def parse_responses(body: Any, history: History) -> ResponsesRequest:
+    """A Responses request, continuing a stored response when it names one."""
+    chat, echo = to_chat_body(body)
+    items = normalize_input(body["input"])
+    before = _previous(body, history)
+    if before:
+        chat["messages"] = input_messages([*before, *items], echo.instructions)
+    return ResponsesRequest(chat, echo, [*before, *items])
+
+
 def to_chat_body(body: Any) -> tuple[dict[str, Any], ResponsesEcho]:
-    """The chat-completions body this Responses request amounts to, and its echo."""
+    """The chat-completions body this Responses request amounts to on its own (without the
+    history `previous_response_id` adds: parse_responses), and its echo."""
     body = check_fields(body, RESPONSES_FIELDS)
     _neutral(body)
+    store = get_bool(body, "store") is not False
+    prev = body.get("previous_response_id")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("'instructions' must be a string", "instructions")
@@ -248,6 +288,6 @@ def to_chat_body(body: Any) -> tuple[dict[str, Any], ResponsesEcho]:
         text={"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         metadata=dict(metadata), user=body.get("user") if isinstance(body.get("user"), str)
-        else None)
+        else None, store=store, previous_response_id=prev if isinstance(prev, str) else None)
     return chat, echo
 

@@ -86,6 +86,9 @@ class EngineConfig:
     kv_shared_dir: str | None = None
     kv_offload_write_policy: str = "write_back"  # or write_through (bench/README.md)
     kv_offload_host_size: float = 4.0
+    # False (vLLM's default, xgrammar's): a JSON schema's objects generate only the properties
+    # they name unless they ask for more; True: JSON Schema's own default (grammar_text.py).
+    structured_outputs_allow_additional_properties: bool = False
 
     @property
     def kv_tiers_enabled(self) -> bool:

@@ -41,6 +41,9 @@ class ServerConfig:
     restart_engine: bool = False  # engine died: restart it (with backoff) instead of exiting 1
     kv_events_config: KVEventsConfig | None = None  # vLLM-format events over ZMQ too
     metrics_compat: str | None = None  # "vllm": /metrics also carries vllm:* gauges
+    # /v1/responses kept for previous_response_id and GET (least recently used dropped first;
+    # 0: none kept). Each holds its own input and output; a chain shares its items.
+    responses_store_size: int = 10000
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -67,5 +70,8 @@ class ServerConfig:
                 and not self.engine.enable_kv_events:
             raise ConfigError("kv-events-config publishes events the engine must emit: "
                               "set engine.enable_kv_events too")
+        if self.responses_store_size < 0:
+            raise ConfigError(f"responses_store_size must be >= 0, got "
+                              f"{self.responses_store_size}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

@@ -54,10 +54,12 @@ class RequestTiming:
     load_tokens: int = 0
 
 
-def _grammar_backend(hf_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarBackend:
+def _grammar_backend(hf_dir: Path, vocab_size: int, eos_ids: tuple[int, ...],
+                     allow_additional_properties: bool = False) -> GrammarBackend:
     from radixserve.tokenizer import load_tokenizer
 
-    return GrammarBackend(load_tokenizer(hf_dir), vocab_size, eos_ids)
+    return GrammarBackend(load_tokenizer(hf_dir), vocab_size, eos_ids,
+                          allow_additional_properties)
 
 
 class Engine:
@@ -79,7 +81,8 @@ class Engine:
         # Grammars compile on a worker thread; the tokenizer's grammar view is built there too,
         # on the first constrained request.
         self.grammars = GrammarCompiler(functools.partial(
-            _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids))
+            _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids,
+            cfg.structured_outputs_allow_additional_properties))
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
                                    r.spec.vocab_size, r.eos_token_ids, self.grammars,
                                    self.tiers, cfg.speculative_config)

@@ -88,14 +88,16 @@ class GrammarBackend:
     GIL while building a grammar), so compiler.py runs it on worker threads."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], allow_additional_properties: bool = False
+                 ) -> None:
         self.vocab_size = vocab_size
+        self.allow_additional_properties = allow_additional_properties  # grammar_text.py
         self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size,  # type: ignore[arg-type]
                                         eos_token=list(eos_token_ids))
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         try:
-            grammar = grammar_text(constraint)
+            grammar = grammar_text(constraint, self.allow_additional_properties)
         except ValueError as err:
             raise GrammarError(str(err)) from None
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)

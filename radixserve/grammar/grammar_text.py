@@ -4,6 +4,9 @@ Owns: the grammar each ConstraintKind means, including tool-call grammars (Herme
 Llama-3 JSON call formats; modes required, named and auto). Raises ValueError for input that
 cannot even be turned into a grammar (not JSON, empty choice list); whether the grammar is
 valid is decided by llguidance (validate.py, backend.py).
+JSON schemas (response formats, tool arguments) are closed first (closed_objects.py: an object
+generates only the properties it names) unless `allow_additional_properties`, the server's
+--structured-outputs-allow-additional-properties, restores the JSON Schema default.
 Does not know: tokenizers, torch, HTTP, requests.
 
 Tool-call output formats (what the tool-call parsers read back):
@@ -24,6 +27,7 @@ from typing import Any
 from llguidance import LLMatcher, grammar_from
 
 from radixserve.constraints import Constraint, ConstraintKind, ToolCallConstraint, ToolMode
+from radixserve.grammar.closed_objects import close_objects
 
 # Compact, single-spaced JSON, as models write it; no free whitespace (a weak model given
 # free whitespace can spin in it until max_tokens).
@@ -51,11 +55,17 @@ def _with_options(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
     return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
 
 
-def grammar_text(c: Constraint) -> str:
+def _schema(text: str, allow_additional_properties: bool) -> dict[str, Any] | bool:
+    schema = parse_schema(text)
+    return schema if allow_additional_properties else close_objects(schema)
+
+
+def grammar_text(c: Constraint, allow_additional_properties: bool = False) -> str:
     """The llguidance grammar (its serialized top-level form) for a constraint."""
     k = c.kind
     if k is ConstraintKind.JSON_SCHEMA:
-        return LLMatcher.grammar_from_json_schema(json.dumps(_with_options(parse_schema(c.text))))
+        schema = _schema(c.text, allow_additional_properties)
+        return LLMatcher.grammar_from_json_schema(json.dumps(_with_options(schema)))
     if k is ConstraintKind.JSON_OBJECT:
         return LLMatcher.grammar_from_json_schema(json.dumps(_with_options({"type": "object"})))
     if k is ConstraintKind.REGEX:
@@ -72,12 +82,14 @@ def grammar_text(c: Constraint) -> str:
         return LLMatcher.grammar_from_lark(c.text)
     if k is ConstraintKind.TOOL_CALLS:
         assert c.tool_calls is not None, "a tool_calls constraint carries its tools"
-        return LLMatcher.grammar_from_lark(tool_call_lark(c.tool_calls))
+        return LLMatcher.grammar_from_lark(
+            tool_call_lark(c.tool_calls, allow_additional_properties))
     raise AssertionError(f"unhandled constraint kind {k}")
 
 
-def _call_schema(name: str, parameters_json: str, args_key: str) -> dict[str, Any]:
-    params = parse_schema(parameters_json or "{}")
+def _call_schema(name: str, parameters_json: str, args_key: str,
+                 allow_additional_properties: bool) -> dict[str, Any]:
+    params = _schema(parameters_json or "{}", allow_additional_properties)
     if params == {} or params is True:
         params = {"type": "object"}
     return {
@@ -88,7 +100,7 @@ def _call_schema(name: str, parameters_json: str, args_key: str) -> dict[str, An
     }
 
 
-def tool_call_lark(tc: ToolCallConstraint) -> str:
+def tool_call_lark(tc: ToolCallConstraint, allow_additional_properties: bool = False) -> str:
     """A Lark grammar (llguidance dialect) for the calls a request may make."""
     if not tc.tools:
         raise ValueError("a tool-call constraint needs at least one tool")
@@ -102,7 +114,8 @@ def tool_call_lark(tc: ToolCallConstraint) -> str:
     lines = ["%llguidance {}"]
     fns = []
     for i, tool in enumerate(tc.tools):
-        schema = _with_options(_call_schema(tool.name, tool.parameters_json, args_key))
+        schema = _with_options(_call_schema(tool.name, tool.parameters_json, args_key,
+                                            allow_additional_properties))
         lines.append(f"fn_{i}: %json {json.dumps(schema)}")
         fns.append(f"fn_{i}")
     lines.append("fn: " + " | ".join(fns))

@@ -23,11 +23,13 @@ _WHAT = {
 }
 
 
-def check_constraint(constraint: Constraint, param: str) -> None:
-    """Raise InvalidRequestError(param=param) unless the constraint compiles."""
+def check_constraint(constraint: Constraint, param: str,
+                     allow_additional_properties: bool = False) -> None:
+    """Raise InvalidRequestError(param=param) unless the constraint compiles (as the engine
+    will compile it: closed or open objects, grammar_text.py)."""
     what = _WHAT[constraint.kind.value]
     try:
-        grammar = grammar_text(constraint)
+        grammar = grammar_text(constraint, allow_additional_properties)
     except ValueError as err:
         raise InvalidRequestError(f"invalid {what}: {err}", param=param) from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)

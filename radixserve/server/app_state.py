@@ -24,6 +24,7 @@ from radixserve.api.api_keys import KeyLimits
 from radixserve.api.constraints.check import ConstraintChecker
 from radixserve.api.jobs import ChoiceJob, JobCaps, make_jobs, merge_streams, tightest
 from radixserve.api.protocol import PromptInput, RequestOptions
+from radixserve.api.response_store import ResponseStore
 from radixserve.api.tools.parsers import get_format
 from radixserve.api.tools.prompt import supports_tools
 from radixserve.api.tools.tool_fields import ToolsSpec
@@ -66,8 +67,11 @@ class ServerState:
         self.eos_ids: tuple[int, ...] = ()
         self.call_format = get_format(cfg.tool_call_parser)
         self.native_tools = False  # the chat template renders tools itself (set on load)
-        self.check_constraint = ConstraintChecker()  # schemas that passed, remembered
+        # schemas that passed, remembered; closed as the engine closes them (grammar_text.py)
+        self.check_constraint = ConstraintChecker(
+            allow_additional_properties=cfg.engine.structured_outputs_allow_additional_properties)
         self._token_strs: dict[int, str] = {}
+        self.responses = ResponseStore(cfg.responses_store_size)  # /v1/responses, store: true
 
     @property
     def ready(self) -> bool:

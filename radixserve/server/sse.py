@@ -32,7 +32,8 @@ def sse_event(data: Any, named: bool = False) -> bytes:
 
 
 async def write_sse(request: web.Request, events: AsyncGenerator[Any, None],
-                    named: bool = False) -> web.StreamResponse:
+                    named: bool = False, headers: dict[str, str] | None = None
+                    ) -> web.StreamResponse:
     """Stream `events`; an exception before the first one propagates (the error middleware
     turns it into a JSON error response). Closing the events on exit aborts the engine work.
     `named`: each event is a dict with a "type", sent as the SSE event name too."""
@@ -42,7 +43,7 @@ async def write_sse(request: web.Request, events: AsyncGenerator[Any, None],
             first = await iterator.__anext__()
         except StopAsyncIteration:
             first = None
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+        resp = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
         await resp.prepare(request)
         try:
             if first is not None:

@@ -211,6 +211,7 @@ async def _proxy(request: web.Request, router: Router, session: aiohttp.ClientSe
         finally:
             worker.in_flight -= 1
         if result.response is not None:
+            router.responses.note_answer(result.response.headers, worker.url)
             return result.response
         assert result.retry_error is not None
         log.info("%s failed before any byte (%s); retrying elsewhere", worker.url,

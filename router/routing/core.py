@@ -18,6 +18,7 @@ from router.breaker import Breaker
 from router.config import RouterConfig
 from router.fleet.canary import TrafficSplit, session_key, split_point
 from router.fleet.key_limits import FleetLimits
+from router.fleet.response_owners import ResponseOwners
 from router.fleet.sessions import SessionAffinity, SessionOutcome, session_id, stable_hash
 from router.routing.kv_index import PreciseIndex, follow_kv_events
 from router.routing.policy import Candidate, ChoiceReason, Policy, make_policy
@@ -54,6 +55,7 @@ class Router:
         self.pool = WorkerPool(cfg.workers, cfg.fail_threshold, cfg.success_threshold,
                                Breaker(cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s))
         self.sessions = SessionAffinity(cfg.max_sessions, cfg.session_load_factor)
+        self.responses = ResponseOwners(cfg.max_sessions)  # response id -> its replica
         self.stream_counts: dict[str, int] = {"resumed": 0, "failed": 0}  # resume.py
         self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas)
                        if cfg.api_keys_file else None)  # raises ConfigError for a bad file
@@ -74,9 +76,13 @@ class Router:
 
     async def route_key(self, kind: RequestKind, body: Any, authorization: str | None,
                         session_header: str | None = None) -> RouteKey:
-        """The prefix key, the session (cache_aware), and (canary groups configured) the
-        session's split point."""
+        """The prefix key, the session (cache_aware), (canary groups configured) the
+        session's split point, and the replica a Responses chain is pinned to."""
         key = await self._prefix_key(kind, body, authorization)
+        if kind is RequestKind.RESPONSES and isinstance(body, dict):
+            prev = body.get("previous_response_id")
+            if isinstance(prev, str) and prev:
+                key = key._replace(pinned=await self._response_owner(prev, authorization))
         if self.policy.uses_prefix and not self.split.active:
             # With canary groups the split keeps a session in its group (canary.py); replica
             # affinity inside a group whose membership admins move would fight it.
@@ -86,6 +92,15 @@ class Router:
         skey = session_key(session_header, body, authorization, extract_prompt(kind, body),
                            self.cfg.block_chars, self.cfg.kv_block_size)
         return key._replace(split_point=None if skey is None else split_point(skey))
+
+    async def _response_owner(self, response_id: str, authorization: str | None) -> str | None:
+        """Known from the replicas' answers, else asked of them (a router restart)."""
+        owner = self.responses.owner(response_id)
+        if owner is None and self._session is not None:
+            urls = [w.url for w in self.pool.routable()]
+            owner = await self.responses.locate(self._session, response_id, urls,
+                                                authorization)
+        return owner
 
     async def _prefix_key(self, kind: RequestKind, body: Any, authorization: str | None
                           ) -> RouteKey:
@@ -119,6 +134,9 @@ class Router:
         workers = self.split.narrow(self.pool.routable(exclude), key.split_point)
         if not workers:
             return None
+        pinned = next((w for w in workers if w.url == key.pinned), None)
+        if pinned is not None:  # elsewhere the chain would be a 404
+            return Decision(pinned, ChoiceReason.RESPONSE, 0, 0)
         if not self.policy.uses_prefix:
             choice = self.policy.choose([Candidate(w.url, w.in_flight) for w in workers])
             chosen = next(w for w in workers if w.url == choice.url)
@@ -191,6 +209,7 @@ class Router:
         self.split.remove(worker)
         self.index.drop_worker(url)
         self.sessions.forget_worker(url)
+        self.responses.forget_worker(url)
         if self.precise is not None:
             self.precise.drop_worker(url)
         task = self._followers.pop(url, None)

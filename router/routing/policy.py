@@ -48,6 +48,7 @@ class ChoiceReason(enum.Enum):
     LEAST_LOAD = "least_load"
     RANDOM = "random"
     SESSION = "session"  # cache_aware: the session's replica (session.py), or its spill
+    RESPONSE = "response"  # the replica holding the chain's previous response (any policy)
 
 
 class Choice(NamedTuple):

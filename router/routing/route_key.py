@@ -60,6 +60,8 @@ class RouteKey(NamedTuple):
     split_point: float | None = None
     # Session affinity (session.py): the request's session id, None without one.
     session: str | None = None
+    # A Responses chain: the replica holding its previous_response_id (fleet/response_owners.py)
+    pinned: str | None = None
 
 
 class PromptEncoder(Protocol):

@@ -19,9 +19,10 @@ Check = Callable[[Constraint, str], None]  # raises InvalidRequestError(param=..
 
 
 class ConstraintChecker:
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 4096, allow_additional_properties: bool = False) -> None:
         assert capacity >= 1
         self._capacity = capacity
+        self._allow_additional_properties = allow_additional_properties
         self._passed: OrderedDict[str, None] = OrderedDict()
 
     def __call__(self, constraint: Constraint, param: str) -> None:
@@ -29,7 +30,7 @@ class ConstraintChecker:
         if key in self._passed:
             self._passed.move_to_end(key)
             return
-        check_constraint(constraint, param)
+        check_constraint(constraint, param, self._allow_additional_properties)
         self._passed[key] = None
         if len(self._passed) > self._capacity:
             self._passed.popitem(last=False)

@@ -26,7 +26,8 @@ def _string(value: Any, param: str) -> str:
     return value
 
 
-def parse_native_constraint(sp: dict[str, Any]) -> Constraint | None:
+def parse_native_constraint(sp: dict[str, Any], check: Check = check_constraint
+                            ) -> Constraint | None:
     """The constraint a /generate `sampling_params` asks for, validated; None when none."""
     given = [f for f in NATIVE_CONSTRAINT_FIELDS if sp.get(f) is not None]
     if not given:
@@ -34,7 +35,7 @@ def parse_native_constraint(sp: dict[str, Any]) -> Constraint | None:
     if len(given) > 1:
         raise bad(f"at most one of {', '.join(NATIVE_CONSTRAINT_FIELDS)} may be given, got "
                   f"{' and '.join(given)}", given[1])
-    return constraint_of(given[0], sp[given[0]], given[0])
+    return constraint_of(given[0], sp[given[0]], given[0], check)
 
 
 def constraint_of(kind: str, value: Any, param: str, check: Check = check_constraint

@@ -53,7 +53,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     state.ensure_ready()
     arrival = time.perf_counter()
-    req = parse_generate(await read_json(request))
+    req = parse_generate(await read_json(request), state.check_constraint)
     prompt = await state.encode(req.prompt)
     if isinstance(req.prompt, str):
         request[PREVIEW_FIELD] = req.prompt

@@ -8,7 +8,9 @@ the text's logprobs when `include` asks (chat's logprobs entries, on the text pa
 each delta).
 A request is turned into a chat request by radixserve/api/responses.py and runs exactly as
 /v1/chat/completions runs it: the same template, tool grammar and call parser, and
-response_format constraint; nothing is stored (`store` is echoed as false).
+response_format constraint. With `store` (the default) the finished Response and the
+conversation it answered are kept (stored_responses.py); a response cut off before its end
+(client gone, error) is not.
 Does not know: the engine, how tokens are produced (ServerState, choice_stream.py).
 """
 
@@ -26,18 +28,24 @@ from aiohttp import web
 
 from radixserve.api.jobs import ChoiceJob
 from radixserve.api.protocol import parse_chat
-from radixserve.api.responses import ResponsesEcho, to_chat_body
+from radixserve.api.responses import ResponsesEcho, parse_responses
 from radixserve.api.tools.parsers import CallFormat
 from radixserve.api.tools.stream import ChatToolStream, tool_message
-from radixserve.server.app_state import read_json
+from radixserve.server.app_state import ServerState, read_json, request_caller
 from radixserve.server.choice_stream import ChoiceChunk
 from radixserve.server.error_responses import json_response
 from radixserve.server.routes.openai import Usage, chat_jobs, chat_logprobs, start_request
+from radixserve.server.routes.stored_responses import (
+    RESPONSE_ID_HEADER,
+    add_stored_response_routes,
+    history_for,
+)
 from radixserve.server.sse import write_sse
 from radixserve.types import SamplingParams
 
 LENGTH = "length"
 TokenStr = Callable[[int], str]
+OnDone = Callable[[dict[str, Any]], None]  # the finished Response (stores it)
 
 
 class Status(str, enum.Enum):
@@ -96,26 +104,40 @@ class ResponseObject:
             "status": status.value,
             "error": None, "incomplete_details": incomplete, "instructions": e.instructions,
             "max_output_tokens": e.max_output_tokens, "model": self.model, "output": output,
-            "parallel_tool_calls": e.parallel_tool_calls, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "parallel_tool_calls": e.parallel_tool_calls,
+            "previous_response_id": e.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": e.store,
             "temperature": self.params.temperature, "top_p": self.params.top_p,
             "text": e.text, "tool_choice": e.tool_choice, "tools": e.tools,
             "truncation": "disabled", "usage": usage, "user": e.user, "metadata": e.metadata,
         }
 
 
+def _storer(state: ServerState, owner: str, items: list[dict[str, Any]]) -> OnDone:
+    def store(body: dict[str, Any]) -> None:
+        state.responses.put(owner, body, items)
+
+    return store
+
+
 async def responses(request: web.Request) -> web.StreamResponse:
     state, arrival = start_request(request)
-    chat_body, echo = to_chat_body(await read_json(request))
-    req = parse_chat(chat_body, state.call_format.name, state.check_constraint)
+    owner = request_caller(request).name
+    parsed = parse_responses(await read_json(request), history_for(state.responses, owner))
+    req = parse_chat(parsed.chat, state.call_format.name, state.check_constraint)
     jobs, calls = await chat_jobs(request, state, req, "input")
-    response = ResponseObject(state.model_name, echo, jobs[0].params)
+    response = ResponseObject(state.model_name, parsed.echo, jobs[0].params)
+    on_done = _storer(state, owner, parsed.input_items) if parsed.echo.store else None
+    headers = {RESPONSE_ID_HEADER: response.id} if on_done is not None else None
     with state.admit(request, jobs) as ticket:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         if req.opts.stream:
-            events = _events(response, jobs, chunks, calls, state.token_str)
-            return await write_sse(request, events, named=True)
-        return json_response(await _collect(response, jobs, chunks, calls, state.token_str))
+            events = _events(response, jobs, chunks, calls, state.token_str, on_done)
+            return await write_sse(request, events, named=True, headers=headers)
+        body = await _collect(response, jobs, chunks, calls, state.token_str)
+        if on_done is not None:
+            on_done(body)
+        return json_response(body, headers=headers)
 
 
 async def _collect(response: ResponseObject, jobs: list[ChoiceJob],
@@ -242,7 +264,8 @@ def _opening(out: _EventStream, response: ResponseObject) -> list[dict[str, Any]
 
 async def _events(response: ResponseObject, jobs: list[ChoiceJob],
                   chunks: AsyncGenerator[ChoiceChunk, None], calls: CallFormat | None,
-                  token_str: TokenStr) -> AsyncGenerator[dict[str, Any], None]:
+                  token_str: TokenStr, on_done: OnDone | None = None
+                  ) -> AsyncGenerator[dict[str, Any], None]:
     out = _EventStream()
     usage = Usage(jobs)
     tools = ChatToolStream(calls) if calls else None
@@ -274,9 +297,12 @@ async def _events(response: ResponseObject, jobs: list[ChoiceJob],
             yield event
     for event in out.close(status):
         yield event
-    yield out.event(f"response.{status.value}", response=response.body(status, out.output,
-                                                                       _usage(usage)))
+    body = response.body(status, out.output, _usage(usage))
+    if on_done is not None:  # before the last event: a client chaining at once finds it
+        on_done(body)
+    yield out.event(f"response.{status.value}", response=body)
 
 
 def add_responses_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses)
+    add_stored_response_routes(app)

@@ -167,9 +167,9 @@ def test_schema_checks_are_remembered_per_server(monkeypatch: pytest.MonkeyPatch
     compiled: list[str] = []
     real = constraint_check.check_constraint
 
-    def counting(constraint: Constraint, param: str) -> None:
+    def counting(constraint: Constraint, param: str, allow_additional: bool = False) -> None:
         compiled.append(constraint.text)
-        real(constraint, param)
+        real(constraint, param, allow_additional)
 
     monkeypatch.setattr(constraint_check, "check_constraint", counting)
     checker = constraint_check.ConstraintChecker(capacity=2)

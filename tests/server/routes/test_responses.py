@@ -80,7 +80,7 @@ async def test_sdk_response_object(model_dir: Path) -> None:
                                              metadata={"run": "7"})
         assert resp.id.startswith("resp_") and resp.object == "response"
         assert resp.status == "completed" and resp.incomplete_details is None
-        assert (resp.instructions, resp.metadata, resp.store) == ("Greet.", {"run": "7"}, False)
+        assert (resp.instructions, resp.metadata, resp.store) == ("Greet.", {"run": "7"}, True)
         (item,) = resp.output
         assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
         # the fake engine echoes the rendered prompt up to its first end of turn
@@ -198,7 +198,9 @@ async def test_text_logprobs_whole_and_streamed_match_chat(model_dir: Path) -> N
 @pytest.mark.parametrize(("fields", "param"), [
     ({"input": None}, "input"),
     ({"input": []}, "input"),
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"previous_response_id": 5}, "previous_response_id"),
+    ({"store": "yes"}, "store"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]"),
