@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0: it ends with an SSE error event)")
     p.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout_s,
                    help="seconds without a byte after a stream started: the replica failed")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help="seconds for a whole non-streamed answer; past it: 504")
+    p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout_s,
+                   help="seconds for a replica's response headers and first byte (every "
+                   "route, and a resumed stream); past it: 504, or an SSE error mid-stream")
     p.add_argument("--api-keys-file", default=None,
                    help="the replicas' keys file (.json/.toml): enforce each key's rpm, tpm "
                    "and max_concurrency fleet-wide before routing; reloaded on SIGHUP")
@@ -107,7 +112,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         success_threshold=args.success_threshold, max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout, seed=args.seed,
         session_load_factor=args.session_load_factor, max_resumes=args.max_resumes,
-        stream_stall_timeout_s=args.stream_stall_timeout, api_keys_file=args.api_keys_file,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout, api_keys_file=args.api_keys_file,
         router_replicas=args.router_replicas,
     )
 

@@ -118,6 +118,11 @@ class RouterConfig:
     # long (after its first) counts as broken. 0 resumes: a broken stream ends with an error.
     max_resumes: int = 1
     stream_stall_timeout_s: float = 60.0
+    # Every wait on a replica is bounded (relay.py): response headers and the first body byte
+    # within first_byte_timeout_s, a whole non-streamed answer within request_timeout_s.
+    # Past either: 504 (or, mid-stream, an SSE error event), one fault for the replica.
+    request_timeout_s: float = 600.0
+    first_byte_timeout_s: float = 60.0
     # Fleet-wide limits (limits.py): the replicas' keys file, and how many routers share it
     # (each enforces 1/router_replicas of every rpm, tpm and max_concurrency).
     api_keys_file: str | None = None
@@ -165,7 +170,8 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                     "pending_ttl_s", "kv_stream_timeout_s"):
+                     "pending_ttl_s", "kv_stream_timeout_s", "request_timeout_s",
+                     "first_byte_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:

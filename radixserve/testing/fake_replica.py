@@ -34,6 +34,7 @@ from radixserve.kv_events.publisher import (
     block_hashes,
 )
 from radixserve.server.routes.kv_events import setup_kv_events
+from radixserve.testing.hang import Hang, hang_middleware
 from router.config import RouterConfig
 
 
@@ -79,6 +80,7 @@ class FakeReplica:
         self.healthy = True
         self.break_after_chunks: int | None = None  # streams die after this many chunks
         self.hold_streams: asyncio.Event | None = None  # set: streams wait before their end
+        self.hang: Hang | None = None  # set: every request hangs there (hang.py)
         self.num_requests = 0
         self.num_aborted = 0  # streams whose client went away
         self.prompt_tokens = 0
@@ -88,7 +90,7 @@ class FakeReplica:
         self._prefill = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self.url = ""
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[hang_middleware(lambda: self.hang)])
         setup_kv_events(self.app, self.publisher)
         for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
             self.app.router.add_post(path, self._generate)

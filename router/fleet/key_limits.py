@@ -138,6 +138,10 @@ class FleetLimits:
                          "rate_limit_exceeded", decision.retry_after_s,
                          self.rate.headers(name, limits))
 
+    def in_flight(self) -> dict[str, int]:
+        """This router's requests in flight per key name, every key of the file included."""
+        return {name: self._in_flight.get(name, 0) for name, _ in self._keys.values()}
+
     def install_sighup(self) -> Callable[[], None]:
         """Reload on SIGHUP; returns the undo (the app's cleanup calls it)."""
         loop = asyncio.get_running_loop()

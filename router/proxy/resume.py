@@ -14,7 +14,6 @@ before the first byte work (proxy.py).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -23,19 +22,20 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.proxy.relay import DONE, MAX_EVENT_BYTES, Deadlines, read_before, write_error_end
 from router.proxy.stream_state import StreamState
 from router.routing.kv_index import split_sse
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-DONE = b"data: [DONE]\n\n"
 _FAULT_TYPES = frozenset({"server_error", "service_unavailable_error", "internal_error"})
 
 
 class Upstream(NamedTuple):
     worker: Worker
     response: aiohttp.ClientResponse
+    deadlines: Deadlines  # its first byte, then no gap over the stall timeout
 
 
 # Chooses a replica not in the set, sends the continuation body there and returns it once it
@@ -60,19 +60,22 @@ def _is_fault_event(payload: bytes) -> bool | None:
     return isinstance(error, dict) and error.get("type") in _FAULT_TYPES
 
 
-async def _pump(response: aiohttp.ClientResponse, out: web.StreamResponse,
-                handle: Callable[[bytes], bytes | None], stall_s: float) -> Failure | None:
+async def _pump(up: Upstream, out: web.StreamResponse,
+                handle: Callable[[bytes], bytes | None]) -> Failure | None:
     """Relay events until `[DONE]` (None) or a failure. `handle` turns an upstream payload
     into the payload to write (None: nothing)."""
     buf = bytearray()
+    first: float | None = up.deadlines.first_byte
     while True:
         try:
-            async with asyncio.timeout(stall_s):
-                chunk = await response.content.readany()
+            chunk = await read_before(up.response, first, up.deadlines.stall_s)
         except TimeoutError:
-            return Failure(f"stalled: no byte for {stall_s:g} s")
+            return Failure(f"no first byte within {up.deadlines.first_byte_s:g} s"
+                           if first is not None else
+                           f"stalled: no byte for {up.deadlines.stall_s:g} s")
         except aiohttp.ClientError as e:
             return Failure(f"stream broken: {e!r}")
+        first = None
         if not chunk:
             return Failure("stream ended without [DONE]")
         buf += chunk
@@ -92,26 +95,21 @@ async def _pump(response: aiohttp.ClientResponse, out: web.StreamResponse,
                 await out.write(b"data: " + data + b"\n\n")
             except ConnectionResetError:
                 return Failure("client left", client_gone=True)
-
-
-def error_event(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None,
-                      "code": "stream_interrupted"}}
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+        if len(buf) > MAX_EVENT_BYTES:
+            return Failure(f"an event over {MAX_EVENT_BYTES} bytes")
 
 
 class Failover:
     """One streamed request's relay; `resumable` is None or why it cannot be resumed."""
 
     def __init__(self, state: StreamState, pool: WorkerPool, reopen: Reopen,
-                 max_resumes: int, stall_s: float, resumable: str | None,
+                 max_resumes: int, resumable: str | None,
                  counts: dict[str, int] | None = None) -> None:
         self.counts = counts if counts is not None else {}  # "resumed", "failed" (metrics)
         self.state = state
         self.pool = pool
         self.reopen = reopen
         self.max_resumes = max_resumes
-        self.stall_s = stall_s
         self.resumable = resumable
         self.num_resumes = 0
         self._pending: list[bytes] = []  # events the router writes itself before [DONE]
@@ -121,7 +119,7 @@ class Failover:
         """Relay `first` (headers already sent as `out`), resuming on failures."""
         st = self.state
         worker = first.worker
-        failure = await _pump(first.response, out, st.on_openai, self.stall_s)
+        failure = await _pump(first, out, st.on_openai)
         tried = {worker.url}
         while failure is not None and not failure.client_gone:
             log.warning("stream from %s failed mid-way (%s)", worker.url, failure.message)
@@ -143,7 +141,7 @@ class Failover:
             worker = nxt.worker
             tried.add(worker.url)
             try:
-                failure = await _pump(nxt.response, out, st.on_native, self.stall_s)
+                failure = await _pump(nxt, out, st.on_native)
             finally:
                 worker.in_flight -= 1
                 nxt.response.release()
@@ -173,12 +171,10 @@ class Failover:
                 return out
             if failure.client_gone:
                 return out
-            log.warning("stream ends with an error event: %s", failure.message)
-            self.counts["failed"] = self.counts.get("failed", 0) + 1
-            await out.write(error_event(f"the replica serving this stream failed "
-                                        f"({failure.message})") + DONE)
         except ConnectionResetError:
             return out
-        if request.transport is not None:
-            request.transport.close()  # flushes what was written, then no chunked terminator
+        log.warning("stream ends with an error event: %s", failure.message)
+        self.counts["failed"] = self.counts.get("failed", 0) + 1
+        await write_error_end(request, out, f"the replica serving this stream failed "
+                                            f"({failure.message})")
         return out
