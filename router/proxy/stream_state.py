@@ -8,8 +8,12 @@ the native /generate request that continues the stream, and the OpenAI chunks wr
 that continuation's events. Does not know: HTTP, workers, retries (resume.py drives it).
 
 Exactness: the continuation is `/generate` with `input_ids` = prompt ids + the output ids
-already sent and the same sampling parameters, so greedy decoding continues identically, and
-so does seeded sampling (the engine reseeds from (seed, tokens so far)). What cannot continue
+already sent, `continue_output_tokens` = how many of them are output, and the same sampling
+parameters, so greedy decoding continues identically, and so does seeded sampling (the engine
+reseeds from (seed, tokens so far)). The replica replays those output ids through its
+detokenizer and stop matcher (radixserve/server/choice_stream.py), so the text the broken
+stream still held back (a possible start of a stop string, a character's first bytes) comes
+out of the continuation, and a stop string that straddles the break ends it. What cannot continue
 exactly is refused up front (an error event if the stream breaks): n > 1, several prompts,
 echo, logprobs, penalties (they count output tokens, which the continuation sees as prompt),
 tool calls (their parser's state), output constraints (their grammar's state), and any field
@@ -147,6 +151,10 @@ class StreamState:
             sp["min_new_tokens"] = min_tokens - len(self.output_ids)
         out: dict[str, Any] = {"input_ids": [*self.prompt_ids, *self.output_ids],
                                "sampling_params": sp, "stream": True}
+        if self.output_ids:
+            # The replica replays them through its detokenizer and stop matcher: the text it
+            # held back is sent (or cut at a stop string that straddles the break).
+            out["continue_output_tokens"] = len(self.output_ids)
         for name in ("priority", "timeout"):
             if self.body.get(name) is not None:
                 out[name] = self.body[name]

@@ -58,6 +58,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if isinstance(req.prompt, str):
         request[PREVIEW_FIELD] = req.prompt
     (job,) = state.caller_jobs(request, [prompt], req.opts, "text")
+    job = dataclasses.replace(job, num_continued=req.num_continued)
     with state.admit(request, [job]) as ticket:
         chunks = state.outputs([job], arrival, ticket, req.opts.timeout)
         events = _generate_events(job, chunks)

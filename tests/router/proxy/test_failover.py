@@ -261,6 +261,7 @@ async def test_resume_continues_the_stream_or_ends_it_with_an_error(resume_statu
     resumed = [r for f in fakes for r in f.resumes]
     assert len(resumed) == 1  # --max-resumes 1: one try
     assert resumed[0] == {"input_ids": [1, 2, 3, 100, 101, 102], "stream": True,
+                          "continue_output_tokens": 3,
                           "sampling_params": {"temperature": 0, "seed": 9, "max_new_tokens": 2}}
     events = [orjson.loads(p) for p in payloads[:-1]]
     assert payloads[-1] == b"[DONE]"
