@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-replicas", type=int, default=d.router_replicas,
                    help="routers sharing the replicas: each enforces 1/N of every key "
                    "limit and breaks routing ties by hash, so routers agree")
+    p.add_argument("--redis-url", default=None, metavar="redis://HOST:PORT/DB",
+                   help="count every key's limits in this Redis, shared by all routers "
+                   "(exact fleet-wide); while it is down each router enforces its "
+                   "--router-replicas share")
     p.add_argument("--log-level", default="INFO")
     add_discovery_args(p)
     return p
@@ -114,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         session_load_factor=args.session_load_factor, max_resumes=args.max_resumes,
         stream_stall_timeout_s=args.stream_stall_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout, api_keys_file=args.api_keys_file,
-        router_replicas=args.router_replicas,
+        router_replicas=args.router_replicas, redis_url=args.redis_url,
     )
 
 

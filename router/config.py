@@ -127,6 +127,9 @@ class RouterConfig:
     # (each enforces 1/router_replicas of every rpm, tpm and max_concurrency).
     api_keys_file: str | None = None
     router_replicas: int = 1
+    # redis://HOST:PORT/DB: every router counts the keys' limits in this Redis, exactly
+    # (redis_limits.py); router_replicas is then the share each uses while it is down.
+    redis_url: str | None = None
 
     def _check_groups(self) -> None:
         grouped = dict(self.worker_groups)
@@ -190,6 +193,12 @@ class RouterConfig:
         for name in ("max_sessions", "router_replicas"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.redis_url is not None:
+            if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(f"--redis-url must look like redis://HOST:PORT/DB, got "
+                                  f"{self.redis_url!r}")
+            if self.api_keys_file is None:
+                raise ConfigError("--redis-url counts the limits of --api-keys-file: give both")
         if self.max_resumes < 0:
             raise ConfigError(f"max_resumes must be >= 0, got {self.max_resumes}")
         if not self.stream_stall_timeout_s > 0:

@@ -79,6 +79,14 @@ class RouterCollector(Collector):
                                       "refused with 429 for their key's limits")
         refused.add_metric([], limits.num_refused)
         yield from (in_flight, refused)
+        if limits.redis is not None:
+            up = GaugeMetricFamily(PREFIX + "key_limits_redis_up", "1 while the shared Redis "
+                                   "answered its last call (--redis-url)")
+            up.add_metric([], 1.0 if limits.redis.up else 0.0)
+            fallbacks = CounterMetricFamily(PREFIX + "key_limits_redis_fallbacks", "Requests "
+                                            "limited by this router's share: Redis was down")
+            fallbacks.add_metric([], limits.redis.num_fallbacks)
+            yield from (up, fallbacks)
 
     def _sessions(self) -> Iterator[Metric]:
         counts = self.router.sessions.counts

@@ -144,7 +144,7 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
             parsed = None  # routed anyway; the replica answers the 400
     if router.limits is None or kind is None:
         return await _proxy(request, router, session, kind, body, parsed)
-    with router.limits.admit(request.headers.get("Authorization"), parsed) as refusal:
+    async with router.limits.admit(request.headers.get("Authorization"), parsed) as refusal:
         if refusal is not None:
             return refusal
         return await _proxy(request, router, session, kind, body, parsed)

@@ -18,6 +18,7 @@ from router.breaker import Breaker
 from router.config import RouterConfig
 from router.fleet.canary import TrafficSplit, session_key, split_point
 from router.fleet.key_limits import FleetLimits
+from router.fleet.redis_limits import RedisCounter
 from router.fleet.sessions import SessionAffinity, SessionOutcome, session_id, stable_hash
 from router.routing.kv_index import PreciseIndex, follow_kv_events
 from router.routing.policy import Candidate, ChoiceReason, Policy, make_policy
@@ -55,7 +56,9 @@ class Router:
                                Breaker(cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s))
         self.sessions = SessionAffinity(cfg.max_sessions, cfg.session_load_factor)
         self.stream_counts: dict[str, int] = {"resumed": 0, "failed": 0}  # resume.py
-        self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas)
+        redis = (RedisCounter(cfg.redis_url, slot_ttl_s=2 * cfg.request_timeout_s)
+                 if cfg.redis_url else None)
+        self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas, redis=redis)
                        if cfg.api_keys_file else None)  # raises ConfigError for a bad file
         self.policy: Policy = make_policy(cfg)
         self.index = ApproxPrefixIndex(cfg.index_max_entries)
@@ -220,6 +223,8 @@ class Router:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._session = None
+        if self.limits is not None and self.limits.redis is not None:
+            await self.limits.redis.close()
 
     def _follow(self, url: str) -> None:
         if self._session is None or self.precise is None:
