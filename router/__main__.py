@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-chars", type=int, default=d.block_chars)
     p.add_argument("--index-max-entries", type=int, default=d.index_max_entries)
     p.add_argument("--balance-lambda", type=float, default=d.balance_lambda)
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="loads differing by at most this many requests count as equal "
+                   "(cache_aware): several routers, each seeing only its own load, then agree")
     p.add_argument("--health-interval", type=float, default=d.health_interval_s)
     p.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
     p.add_argument("--fail-threshold", type=int, default=d.fail_threshold)
@@ -111,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokenizer=args.tokenizer,
         kv_block_size=args.kv_block_size, salt_by_api_key=not args.shared_cache,
         block_chars=args.block_chars, index_max_entries=args.index_max_entries,
-        balance_lambda=args.balance_lambda, health_interval_s=args.health_interval,
+        balance_lambda=args.balance_lambda, balance_abs_threshold=args.balance_abs_threshold,
+        health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, fail_threshold=args.fail_threshold,
         success_threshold=args.success_threshold, max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout, seed=args.seed,

@@ -90,6 +90,8 @@ class RouterConfig:
     index_max_entries: int = 1 << 20  # (block, worker) pairs over ALL workers, LRU beyond
     # cache_aware score = match_ratio - balance_lambda * (load - min_load) / max(1, mean_load)
     balance_lambda: float = 0.5
+    # Loads differing by at most this many requests count as equal (policy.py); 0: off.
+    balance_abs_threshold: int = 0
     # Health: GET /health every interval; N failures -> down, M successes -> up.
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
@@ -180,6 +182,9 @@ class RouterConfig:
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:
             raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
         self._check_fleet()
+        if self.balance_abs_threshold < 0:
+            raise ConfigError(f"balance_abs_threshold must be >= 0, got "
+                              f"{self.balance_abs_threshold}")
         if self.balance_lambda < 0:
             raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
         for name in ("admin_key", "replica_api_key"):
