@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixserve.kv_events.block_hash import HashAlgo
 from router.config import ConfigError, PolicyName, RouterConfig
 from router.discovery.discovery_config import add_discovery_args, discovery_from_args
 from router.fleet.canary import parse_worker_flags
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="model spec whose tokenizer the replicas use (precise mode)")
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
+    p.add_argument("--prefix-caching-hash-algo", choices=[a.value for a in HashAlgo],
+                   default=d.prefix_caching_hash_algo.value,
+                   help="the replicas' block hash (their --prefix-caching-hash-algo), for "
+                   "precise mode")
     p.add_argument("--shared-cache", action="store_true",
                    help="replicas share one cache namespace (their --shared-cache)")
     p.add_argument("--block-chars", type=int, default=d.block_chars)
@@ -112,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         admin_key=args.admin_key, replica_api_key=args.replica_api_key,
         precise_max_blocks=args.precise_max_blocks, kv_events=args.kv_events,
         tokenizer=args.tokenizer,
-        kv_block_size=args.kv_block_size, salt_by_api_key=not args.shared_cache,
+        kv_block_size=args.kv_block_size,
+        prefix_caching_hash_algo=HashAlgo(args.prefix_caching_hash_algo), salt_by_api_key=not args.shared_cache,
         block_chars=args.block_chars, index_max_entries=args.index_max_entries,
         balance_lambda=args.balance_lambda, balance_abs_threshold=args.balance_abs_threshold,
         health_interval_s=args.health_interval,

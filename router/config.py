@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from radixserve.kv_events.block_hash import HashAlgo
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names it and what is allowed."""
@@ -79,6 +81,8 @@ class RouterConfig:
     kv_events: bool = False
     tokenizer: str | None = None  # a model spec radixserve.model_source understands
     kv_block_size: int = 16  # must equal the replicas' --kv-events block size
+    # ... and this their --prefix-caching-hash-algo (xxh64 or vLLM's sha256_cbor)
+    prefix_caching_hash_algo: HashAlgo = HashAlgo.XXH64
     pending_ttl_s: float = 30.0  # routed-but-not-yet-announced blocks count this long
     kv_stream_timeout_s: float = 30.0  # no byte (not even a keepalive) for this long: down
     precise_max_blocks: int = 1 << 20  # block hashes kept per replica, oldest dropped beyond
@@ -168,6 +172,10 @@ class RouterConfig:
         self._check_groups()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not isinstance(self.prefix_caching_hash_algo, HashAlgo):
+            raise ConfigError(f"unknown prefix-caching hash algo "
+                              f"{self.prefix_caching_hash_algo!r}; supported: "
+                              f"{', '.join(a.value for a in HashAlgo)}")
         if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:
             raise ConfigError("--kv-events needs --policy cache_aware")
         for name in ("kv_block_size", "block_chars", "index_max_entries",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from radixserve.config.engine_config import EngineConfig
 from radixserve.config.kv_events_config import KVEventsConfig
 from radixserve.config.parsing import ConfigError
+from radixserve.kv_events.block_hash import HashAlgo
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: also export these engines' metric names
@@ -41,6 +42,8 @@ class ServerConfig:
     restart_engine: bool = False  # engine died: restart it (with backoff) instead of exiting 1
     kv_events_config: KVEventsConfig | None = None  # vLLM-format events over ZMQ too
     metrics_compat: str | None = None  # "vllm": /metrics also carries vllm:* gauges
+    # The block hashes of both KV event streams: radixserve's xxh64 or vLLM's sha256_cbor.
+    prefix_caching_hash_algo: str = HashAlgo.XXH64.value
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -67,5 +70,9 @@ class ServerConfig:
                 and not self.engine.enable_kv_events:
             raise ConfigError("kv-events-config publishes events the engine must emit: "
                               "set engine.enable_kv_events too")
+        if self.prefix_caching_hash_algo not in {a.value for a in HashAlgo}:
+            raise ConfigError(f"unknown prefix-caching hash algo "
+                              f"{self.prefix_caching_hash_algo!r}; supported: "
+                              f"{', '.join(a.value for a in HashAlgo)}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from radixserve.api.api_keys import cache_salt_for_api_key
+from radixserve.kv_events.block_hash import HashAlgo
 from radixserve.kv_events.publisher import (
     AllBlocksCleared,
     BlockEvent,
@@ -70,6 +71,7 @@ class FakeReplicaConfig:
     default_max_tokens: int = 4
     kv_keepalive_s: float = 10.0
     salt_by_key: bool = True  # False: like a server without --api-key (one namespace)
+    hash_algo: HashAlgo = HashAlgo.XXH64  # --prefix-caching-hash-algo
 
 
 class FakeReplica:
@@ -122,7 +124,7 @@ class FakeReplica:
     def _lookup_and_insert(self, ids: list[int], salt: str) -> int:
         """Cached prefix tokens before this request; afterwards all its blocks are cached."""
         bs = self.cfg.block_size
-        hashes = block_hashes(ids, bs, salt)
+        hashes = block_hashes(ids, bs, salt, self.cfg.hash_algo)
         matched = 0
         while matched < len(hashes) and hashes[matched] in self._cache:
             matched += 1

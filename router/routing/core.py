@@ -100,15 +100,15 @@ class Router:
         if self.precise is None:
             return RouteKey(tuple(approx))
         salts = (salt,) if not salt else (salt, "")  # see route_key's docstring
-        bs = self.cfg.kv_block_size
+        bs, algo = self.cfg.kv_block_size, self.cfg.prefix_caching_hash_algo
         if encoding_chars(prompt) > INLINE_ENCODE_CHARS:
             # A tokenizer run on a long prompt would stall every other request on the loop.
             loop = asyncio.get_running_loop()
             chains = await loop.run_in_executor(
-                None, token_chains, prompt, salts, bs, self.encoder
+                None, token_chains, prompt, salts, bs, self.encoder, algo
             )
         else:
-            chains = token_chains(prompt, salts, bs, self.encoder)
+            chains = token_chains(prompt, salts, bs, self.encoder, algo)
         return RouteKey(tuple(approx), tuple(chains))
 
     def _precise_match(self, key: RouteKey, url: str) -> float | None:
