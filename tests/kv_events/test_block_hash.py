@@ -36,7 +36,6 @@ from radixserve.server.app_state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY
-from router.app import create_app as create_router_app
 from router.config import RouterConfig
 from tests.kv_events.test_zmq_stream import (
     CONFIG,
@@ -134,8 +133,8 @@ async def test_precise_routing_works_with_either_hash(algo: HashAlgo) -> None:
 
 
 async def test_a_server_started_with_the_flag_announces_vllms_hashes(tmp_path: Path) -> None:
-    """The real server app (fake engine) with prefix_caching_hash_algo=sha256_cbor: its
-    /kv_events stream, followed by a router in the same mode, carries vLLM's chain."""
+    """The real server app (fake engine) with prefix_caching_hash_algo=sha256_cbor: its SSE
+    /kv_events stream carries vLLM's chain."""
     make_tokenizer().save_pretrained(tmp_path)
     cfg = ServerConfig(prefix_caching_hash_algo="sha256_cbor",
                        engine=EngineConfig(model=str(tmp_path), enable_kv_events=True))
@@ -143,25 +142,21 @@ async def test_a_server_started_with_the_flag_announces_vllms_hashes(tmp_path: P
     app = create_server_app(cfg, EngineClient(InlineTransport(factory, cfg.engine)))
     runner, url = await start_app(app)
     ids = list(range(40, 80))  # 2 full blocks of 16
+    stored: list[int] = []
     try:
         await wait_until(lambda: app[STATE_KEY].ready)
-        rcfg = RouterConfig(kv_events=True, workers=(url,), health_interval_s=0.05,
-                            prefix_caching_hash_algo=HashAlgo.SHA256_CBOR)
-        router_app = create_router_app(rcfg)
-        router_runner, router_url = await start_app(router_app)
-        try:
-            precise = router_app[ROUTER_KEY].precise
-            assert precise is not None
-            await wait_until(lambda: precise.is_live(url))
-            async with aiohttp.ClientSession() as s, s.post(
-                    f"{router_url}/v1/completions",
-                    json={"prompt": ids, "max_tokens": 2, "temperature": 0}) as resp:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/generate", json={
+                    "input_ids": ids, "sampling_params": {"max_new_tokens": 2}}) as resp:
                 assert resp.status == 200, await resp.text()
-            st = precise.state(url)
-            want = set(sha256_cbor_hashes(ids, 16))
-            await wait_until(lambda: st is not None and want <= set(st.hashes))
-            assert precise.match(sha256_cbor_hashes(ids, 16), url) == 2
-        finally:
-            await router_runner.cleanup()
+            async with s.get(f"{url}/kv_events?since=0") as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: "):
+                        batch = decode_batch(line[6:].strip())
+                        stored += [h for ev in batch.events if isinstance(ev, BlockStored)
+                                   for h in ev.block_hashes]
+                    if len(stored) >= 2:
+                        break
     finally:
         await runner.cleanup()
+    assert stored[:2] == sha256_cbor_hashes(ids, 16)

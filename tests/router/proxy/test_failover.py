@@ -21,6 +21,7 @@ from router.config import RouterConfig
 from router.proxy.stream_state import why_not_resumable
 from router.routing.route_key import RequestKind
 from tests.server_proc import running_server
+from tests.sse import openai_chunks
 from tests.waiting import wait_until
 
 FAST = RouterConfig(health_interval_s=0.05, health_timeout_s=1.0, retry_backoff_s=0.01)
@@ -124,17 +125,7 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: Collected) ->
     path, body = request_for(i)
     async with s.post(url + path, json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                out.done += 1
-                continue
-            event = orjson.loads(data)
-            if "error" in event:
-                out.errors.append(event)
-                continue
+        async for event in openai_chunks(resp, out):
             out.chunk_ids.add(event["id"])
             out.created.add(event["created"])
             out.usage = event.get("usage") or out.usage

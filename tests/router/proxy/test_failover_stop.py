@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 
 from radixserve.testing.fake_replica import start_app
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
 from tests.server_proc import running_server
+from tests.sse import openai_chunks
 from tests.waiting import wait_until
 
 FAST = RouterConfig(health_interval_s=0.2, health_timeout_s=1.0, retry_backoff_s=0.01)
@@ -57,17 +57,7 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, stop: str | None,
     num_ids = 0
     async with s.post(url + path, json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            data = line[6:].strip() if line.startswith(b"data: ") else None
-            if data is None:
-                continue
-            if data == b"[DONE]":
-                out.done += 1
-                continue
-            event = orjson.loads(data)
-            if "error" in event:
-                out.errors.append(event)
-                continue
+        async for event in openai_chunks(resp, out):
             for ch in event["choices"]:
                 out.text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                 num_ids += len(ch.get("token_ids", []))
