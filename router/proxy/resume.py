@@ -46,6 +46,7 @@ Reopen = Callable[[bytes, set[str]], Awaitable[Upstream | None]]
 class Failure(NamedTuple):
     message: str
     client_gone: bool = False
+    final: bool = False  # no resume can follow (no replica left to resume on)
 
 
 def _is_fault_event(payload: bytes) -> bool | None:
@@ -120,12 +121,12 @@ class Failover:
         st = self.state
         worker = first.worker
         failure = await _pump(first, out, st.on_openai)
-        tried = {worker.url}
-        while failure is not None and not failure.client_gone:
+        failed = {worker.url}
+        while failure is not None and not failure.client_gone and not failure.final:
             log.warning("stream from %s failed mid-way (%s)", worker.url, failure.message)
             self.pool.mark_suspect(worker, failure.message)
             why = self.resumable or st.why_not_continuable()
-            if why == "the answer was complete" or (why is None and st.remaining() == 0):
+            if why == "the answer was complete":
                 failure = self._finish_without_replica()
                 break
             if why is not None or self.num_resumes >= self.max_resumes:
@@ -134,28 +135,39 @@ class Failover:
                 break
             self.num_resumes += 1
             self.counts["resumed"] = self.counts.get("resumed", 0) + 1
-            nxt = await self.reopen(st.resume_body(), tried)
+            failure, worker = await self._continue(out, failed, worker)
+            failed.add(worker.url)
+        if failure is None and self.num_resumes:
+            self._pending += st.closing_events()
+        return await self._end(request, out, worker, failure)
+
+    async def _continue(self, out: web.StreamResponse, failed: set[str], worker: Worker
+                        ) -> tuple[Failure | None, Worker]:
+        """Continue every unfinished choice in turn, each on a replica that has not failed
+        this request; the first failure (and where), or None when all of them ended."""
+        st = self.state
+        for index in st.unfinished():
+            if st.remaining(index) == 0:  # all its tokens were sent: only the finish is lost
+                st.choice(index).finish_reason = "length"
+                await out.write(b"data: " + orjson.dumps(st.chunk("", [], "length", index))
+                                + b"\n\n")
+                continue
+            nxt = await self.reopen(st.resume_body(index), set(failed))
             if nxt is None:
-                failure = Failure(f"{failure.message}; no replica to resume on")
-                break
+                return Failure("no replica to resume on", final=True), worker
             worker = nxt.worker
-            tried.add(worker.url)
             try:
                 failure = await _pump(nxt, out, st.on_native)
             finally:
                 worker.in_flight -= 1
                 nxt.response.release()
-            if failure is None:
-                for event in st.closing_events():
-                    await out.write(b"data: " + event + b"\n\n")
-        return await self._end(request, out, worker, failure)
+            if failure is not None:
+                return failure, worker
+        return None, worker
 
     def _finish_without_replica(self) -> Failure | None:
-        """The tokens were all sent (max_tokens reached, or the finish chunk came): only the
-        finish and usage are missing, and the router knows them."""
-        if self.state.finish_reason is None:
-            self.state.finish_reason = "length"
-            self._pending.append(orjson.dumps(self.state.chunk("", [], "length")))
+        """The answer was complete: only the usage and [DONE] are missing, and the router
+        knows them."""
         self._pending += self.state.closing_events()
         return None
 

@@ -19,10 +19,17 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from radixserve.testing.fake_replica import ByteEncoder, FakeReplicaConfig, fake_cluster, start_app
-from router.app import create_app
+from radixserve.testing.fake_replica import (
+    ByteEncoder,
+    FakeReplica,
+    FakeReplicaConfig,
+    fake_cluster,
+    start_app,
+)
+from router.app import ROUTER_KEY, create_app
 from router.config import ConfigError, RouterConfig
 from tests.redis_server import RedisProc, running_redis
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +43,7 @@ class Fleet:
     urls: list[str]  # the two routers
     redis: RedisProc
     apps: list[Any]
+    replicas: list[FakeReplica]
 
 
 @contextlib.asynccontextmanager
@@ -50,7 +58,7 @@ async def fleet(tmp: Path, decode_s: float = 0.0, **limits: int) -> AsyncIterato
                              encoder=ByteEncoder())
             runner, url = await start_app(app)
             try:
-                yield Fleet([c.url, url], server, [c.router_app, app])
+                yield Fleet([c.url, url], server, [c.router_app, app], c.replicas)
             finally:
                 await runner.cleanup()
 
@@ -120,7 +128,9 @@ async def test_redis_stopped_mid_run_never_gives_a_5xx(tmp_path: Path,
     async with fleet(tmp_path, decode_s=0.1, rpm=6) as f, aiohttp.ClientSession() as s:
         first = [asyncio.create_task(post(s, f.urls[i % 2], i, max_tokens=5))
                  for i in range(6)]
-        await asyncio.sleep(0.2)  # admitted through Redis, now running
+        # Admitted through Redis, now running on the replicas.
+        await wait_until(lambda: sum(r.num_requests for r in f.replicas) == 6)
+        assert all(app[ROUTER_KEY].limits.redis.num_fallbacks == 0 for app in f.apps)
         f.redis.stop()
         rest = await asyncio.gather(*(post(s, f.urls[i % 2], i) for i in range(6, 12)))
         answers = [*await asyncio.gather(*first), *rest]

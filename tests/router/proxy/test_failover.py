@@ -53,7 +53,8 @@ def test_what_can_be_resumed_exactly() -> None:
     assert why_not_resumable(RequestKind.COMPLETIONS, plain) is None
     chat = {"messages": [], "tools": [{"type": "function"}], "tool_choice": "none"}
     assert why_not_resumable(RequestKind.CHAT, chat) is None
-    for extra in ({"n": 2}, {"logprobs": 2}, {"echo": True}, {"presence_penalty": 0.5},
+    assert why_not_resumable(RequestKind.COMPLETIONS, {**plain, "n": 3}) is None
+    for extra in ({"logprobs": 2}, {"echo": True}, {"presence_penalty": 0.5},
                   {"response_format": {"type": "json_object"}}, {"guided_regex": "a+"},
                   {"tools": [{"type": "function"}]}, {"prompt": ["a", "b"]}):
         assert why_not_resumable(RequestKind.COMPLETIONS, {**plain, **extra}) is not None, extra
