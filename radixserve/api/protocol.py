@@ -65,7 +65,8 @@ CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
-                             "timeout", "continue_output_tokens"})
+                             "timeout", "continue_output_tokens", "return_logprob",
+                             "top_logprobs_num"})
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
 }
@@ -309,7 +310,9 @@ def parse_generate(body: Any) -> GenerateRequest:
     renamed["stream"] = body.get("stream")
     renamed["priority"] = body.get("priority")
     renamed["timeout"] = body.get("timeout")
-    opts = _parse_options(renamed, None, None)
+    top = get_int(body, "top_logprobs_num", lo=0, hi=MAX_LOGPROBS)
+    opts = _parse_options(renamed, None,
+                          (top or 0) if get_bool(body, "return_logprob") else None)
     if constraint is not None:
         opts = replace(opts, params=replace(opts.params, constraint=constraint))
     return GenerateRequest(prompt, opts, _num_continued(body, prompt))

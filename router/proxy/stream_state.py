@@ -15,9 +15,11 @@ detokenizer and stop matcher (radixserve/server/choice_stream.py), so the text t
 stream still held back (a possible start of a stop string, a character's first bytes) comes
 out of the continuation, and a stop string that straddles the break ends it. With `n` > 1
 each unfinished choice continues on its own (seeded as the replica seeds choice i: seed + i).
+Logprobs: the continuation returns SGLang's `output_token_logprobs` / `output_top_logprobs`,
+written here in the client's shape (completions' text_offset carried on from the stream).
 What cannot continue
 exactly is refused up front (an error event if the stream breaks): several prompts,
-echo, logprobs, penalties (they count output tokens, which the continuation sees as prompt),
+echo, penalties (they count output tokens, which the continuation sees as prompt),
 tool calls (their parser's state), output constraints (their grammar's state), and any field
 this module does not know.
 """
@@ -41,10 +43,9 @@ _NEUTRAL = frozenset({"model", "prompt", "messages", "stream", "stream_options",
                       "max_completion_tokens", "min_tokens", "priority", "timeout", "user",
                       "prompt_cache_key", "safety_identifier", "return_token_ids",
                       "add_generation_prompt", "continue_final_message",
-                      "chat_template_kwargs", "n", *_SAMPLING})
+                      "chat_template_kwargs", "n", "logprobs", "top_logprobs", *_SAMPLING})
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {  # a field that is harmless at these values
-    "echo": (None, False), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+    "echo": (None, False), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
 }
@@ -81,6 +82,7 @@ class ChoiceProgress:
     # Its continuation being relayed: the cumulative text and ids seen so far.
     cont_text: int = 0
     cont_ids: int = 0
+    next_offset: int = 0  # completions logprobs: the text_offset of its next token
 
 
 @dataclass
@@ -152,6 +154,9 @@ class StreamState:
                 progress.output_ids.extend(choice["token_ids"])
             if choice.get("finish_reason") is not None:
                 progress.finish_reason = choice["finish_reason"]
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict) and lp.get("text_offset") and lp.get("tokens"):
+                progress.next_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if self.strip_ids:
                 for name in ID_FIELDS:
                     choice.pop(name, None)
@@ -184,19 +189,33 @@ class StreamState:
         for name in ("priority", "timeout"):
             if self.body.get(name) is not None:
                 out[name] = self.body[name]
+        top = self.top_logprobs()
+        if top is not None:
+            out["return_logprob"], out["top_logprobs_num"] = True, top
         self.current = index
         progress.cont_text = progress.cont_ids = 0
         return orjson.dumps(out)
 
-    def chunk(self, text: str, ids: list[int], finish: str | None,
-              index: int = 0) -> dict[str, Any]:
+    def top_logprobs(self) -> int | None:
+        """How many alternatives per token the client asked for (None: no logprobs)."""
+        if self.kind is RequestKind.CHAT:
+            if self.body.get("logprobs") is not True:
+                return None
+            top = self.body.get("top_logprobs")
+            return top if isinstance(top, int) else 0
+        top = self.body.get("logprobs")
+        return top if isinstance(top, int) and not isinstance(top, bool) else None
+
+    def chunk(self, text: str, ids: list[int], finish: str | None, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind is RequestKind.CHAT:
             choice: dict[str, Any] = {"index": index,
                                       "delta": {"content": text} if text else {},
-                                      "logprobs": None, "finish_reason": finish}
+                                      "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": finish}
             obj = "text_completion"
         if not self.strip_ids:
             choice["token_ids"] = ids
@@ -220,9 +239,35 @@ class StreamState:
         cached = meta.get("cached_tokens")
         if isinstance(cached, int):
             self.cached_tokens = min(cached, len(self.prompt_ids or ()))
-        if not (delta or finish or (new_ids and not self.strip_ids)):
+        lps = self._logprobs(progress, meta, len(ids) - len(new_ids), len(ids))
+        if not (delta or finish or (new_ids and (not self.strip_ids or lps is not None))):
             return None
-        return orjson.dumps(self.chunk(delta, new_ids, finish, self.current))
+        return orjson.dumps(self.chunk(delta, new_ids, finish, self.current, lps))
+
+    def _logprobs(self, progress: ChoiceProgress, meta: dict[str, Any], start: int,
+                  end: int) -> dict[str, Any] | None:
+        """The continuation's tokens start..end in the client's logprobs shape (the replica's
+        own: radixserve/server/routes/openai.py), from SGLang's lists; None if not asked."""
+        if self.top_logprobs() is None:
+            return None
+        chosen = (meta.get("output_token_logprobs") or [])[start:end]
+        tops = (meta.get("output_top_logprobs") or [])[start:end]
+        if self.kind is RequestKind.CHAT:
+            def entry(logprob: float, text: str) -> dict[str, Any]:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**entry(lp, text), "top_logprobs": [
+                entry(v, t) for v, _, t in top or ()]}
+                for (lp, _, text), top in zip(chosen, tops, strict=True) if lp is not None]}
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        for (lp, _, text), top in zip(chosen, tops, strict=True):
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if top is None else {t: v for v, _, t in top})
+            out["text_offset"].append(progress.next_offset)
+            progress.next_offset += len(text)
+        return out
 
     def closing_events(self) -> list[bytes]:
         """After the continuations ended: the usage chunk (if asked for) for the whole

@@ -6,16 +6,26 @@ continuation equals the uninterrupted stream's, stop strings straddling the brea
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
 
+import aiohttp
 import pytest
 
 from radixserve.api.jobs import ChoiceJob
 from radixserve.api.protocol import parse_generate
+from radixserve.config import EngineConfig, ServerConfig
+from radixserve.ipc.client import EngineClient
 from radixserve.ipc.messages import GenerateMsg
+from radixserve.server.app import create_app as create_server_app
+from radixserve.server.app_state import STATE_KEY
 from radixserve.server.choice_stream import ChoiceChunk, stream_choice
+from radixserve.testing.fake_engine import FakeEngine, InlineTransport
+from radixserve.testing.fake_replica import start_app
 from radixserve.types import FinishReason, InvalidRequestError, SamplingParams, TokenOutput
 from tests.tiny_models import make_tokenizer
+from tests.waiting import wait_until
 
 TOK = make_tokenizer()  # one token per UTF-8 byte: characters split over tokens
 PROMPT = tuple(TOK.encode("Q: ", add_special_tokens=False))
@@ -74,3 +84,35 @@ def test_continue_output_tokens_is_checked() -> None:
                 {"text": "abc", "continue_output_tokens": 1}):
         with pytest.raises(InvalidRequestError):
             parse_generate(bad)
+
+
+def test_return_logprob_is_parsed() -> None:
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "top_logprobs_num": 2}
+    assert parse_generate(body).opts.params.logprobs == 2
+    assert parse_generate({**body, "top_logprobs_num": None}).opts.params.logprobs == 0
+    assert parse_generate({"input_ids": [1]}).opts.params.logprobs is None
+    with pytest.raises(InvalidRequestError):
+        parse_generate({**body, "top_logprobs_num": 99})
+
+
+async def test_generate_returns_sglangs_logprob_lists(tmp_path: Path) -> None:
+    """The real server app (fake engine): cumulative [logprob, id, text] per output token."""
+    TOK.save_pretrained(tmp_path)
+    cfg = ServerConfig(engine=EngineConfig(model=str(tmp_path)))
+    app = create_server_app(cfg, EngineClient(InlineTransport(
+        functools.partial(FakeEngine, eos_token_ids=()), cfg.engine)))
+    runner, url = await start_app(app)
+    try:
+        await wait_until(lambda: app[STATE_KEY].ready)
+        async with aiohttp.ClientSession() as s, s.post(f"{url}/generate", json={
+                "input_ids": [70, 71, 72], "sampling_params": {"max_new_tokens": 3},
+                "return_logprob": True, "top_logprobs_num": 1}) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+    finally:
+        await runner.cleanup()
+    meta = answer["meta_info"]
+    ids = answer["output_ids"]
+    assert [row[1] for row in meta["output_token_logprobs"]] == ids and len(ids) == 3
+    assert [row[2] for row in meta["output_token_logprobs"]] == [TOK.decode([t]) for t in ids]
+    assert [[t for _, t, _ in top] for top in meta["output_top_logprobs"]] == [[t] for t in ids]

@@ -1,37 +1,34 @@
 """Failover with `n` > 1 (router/proxy/stream_state.py, resume.py): every unfinished choice
 continues on its own, seeded as the replica seeds choice i (seed + i), token ids and finish
-kept per choice; a finished choice is not continued."""
+kept per choice; a finished choice is not continued. The e2e part SIGKILLs a real replica
+(SmolLM2, fp32) under streams of 2 seeded choices each."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import aiohttp.web
 import orjson
 import pytest
 
-from radixserve.testing.fake_replica import start_app
-from router.app import create_app
 from router.config import RouterConfig
-from tests.router.proxy.test_failover import raw_events
+from tests.router.proxy.smollm2_fleet import smollm2_fleet
+from tests.router.proxy.test_failover import Breaking, through_fakes
+from tests.sse import openai_chunks
 
 FAST = RouterConfig(health_interval_s=5.0, health_timeout_s=1.0, retry_backoff_s=0.01)
 
 
-class ThreeChoices:
+class ThreeChoices(Breaking):
     """Streams n=3 completions: choice 0 gets 2 tokens, choice 1 finishes (stop) after 1,
-    choice 2 gets 1; then dies. /generate continues whatever it is asked, 2 tokens."""
+    choice 2 gets 1; then dies. /generate continues as Breaking's does (2 tokens)."""
 
     def __init__(self) -> None:
-        self.resumes: list[dict[str, Any]] = []
-        self.app = aiohttp.web.Application()
-        self.app.router.add_post("/v1/completions", self._stream)
-        self.app.router.add_post("/generate", self._generate)
-        self.app.router.add_get("/health", self._health)
-
-    async def _health(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
-        return aiohttp.web.json_response({"status": "ok"})
+        super().__init__(chunks=0, resume_status=200)
 
     async def _stream(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -50,38 +47,13 @@ class ThreeChoices:
         request.transport.abort()
         return resp
 
-    async def _generate(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
-        body = await request.json()
-        self.resumes.append(body)
-        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        base = body["input_ids"][-1] + 1
-        ids: list[int] = []
-        for i in range(body["sampling_params"]["max_new_tokens"]):
-            ids.append(base + i)
-            last = i == body["sampling_params"]["max_new_tokens"] - 1
-            event = {"text": "".join(f"r{t} " for t in ids), "output_ids": ids,
-                     "meta_info": {"finish_reason": {"type": "length"} if last else None}}
-            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
 
 @pytest.mark.timeout(60)
 async def test_each_unfinished_choice_continues_with_its_own_seed() -> None:
     fakes = [ThreeChoices() for _ in range(2)]
-    started = [await start_app(f.app) for f in fakes]
-    cfg = dataclasses.replace(FAST, workers=tuple(u for _, u in started))
-    runner, url = await start_app(create_app(cfg))
     body = {"prompt": "x", "stream": True, "max_tokens": 4, "n": 3, "seed": 7,
             "temperature": 0.8, "stream_options": {"include_usage": True}}
-    try:
-        async with aiohttp.ClientSession() as s:
-            payloads = await raw_events(s, url, body)
-    finally:
-        await runner.cleanup()
-        for r, _ in started:
-            await r.cleanup()
+    payloads = await through_fakes(fakes, body)
     resumes = [r for f in fakes for r in f.resumes]
     assert [(r["input_ids"], r["continue_output_tokens"], r["sampling_params"]["seed"],
              r["sampling_params"]["max_new_tokens"]) for r in resumes] == [
@@ -99,6 +71,59 @@ async def test_each_unfinished_choice_continues_with_its_own_seed() -> None:
             if c["finish_reason"]:
                 finish.setdefault(c["index"], []).append(c["finish_reason"])
             assert "token_ids" not in c and "prompt_token_ids" not in c
-    assert text == {0: "a0 a1 r102 r103 ", 1: "b0", 2: "c0 r301 r302 r303 "}
+    assert text == {0: "a0 a1 u0 u1 ", 1: "b0", 2: "c0 u0 u1 "}
     assert finish == {0: ["length"], 1: ["stop"], 2: ["length"]}
-    assert events[-1]["usage"]["completion_tokens"] == 4 + 1 + 4
+    assert events[-1]["usage"]["completion_tokens"] == 4 + 1 + 3
+
+
+# --- end to end: SIGKILL a real replica while 4 streams of n = 2 seeded choices run ----------
+
+PROMPTS = [f"Describe a {thing} in detail. It" for thing in ("castle", "ship", "garden", "storm")]
+MAX_TOKENS = 30
+
+
+def body_for(i: int) -> tuple[str, dict[str, Any]]:
+    common: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 50 + i,
+                              "n": 2, "ignore_eos": True, "stream": True}
+    if i % 2 == 0:
+        return "/v1/completions", {"prompt": PROMPTS[i], **common}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[i]}],
+                                    **common}
+
+
+@dataclasses.dataclass
+class PerChoice:
+    text: dict[int, str] = dataclasses.field(default_factory=dict)
+    finish: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    errors: list[Any] = dataclasses.field(default_factory=list)
+    done: int = 0
+
+
+async def collect(s: aiohttp.ClientSession, url: str, i: int, out: PerChoice) -> PerChoice:
+    path, body = body_for(i)
+    async with s.post(url + path, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for event in openai_chunks(resp, out):
+            for ch in event["choices"]:
+                piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                out.text[ch["index"]] = out.text.get(ch["index"], "") + piece
+                if ch["finish_reason"]:
+                    out.finish.setdefault(ch["index"], []).append(ch["finish_reason"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.timeout(900)
+async def test_sigkill_mid_stream_with_two_seeded_choices_each(tmp_path: Path) -> None:
+    async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
+        want = [await collect(s, f.servers[0].url, i, PerChoice()) for i in range(4)]
+        live = [PerChoice() for _ in range(4)]
+        tasks = [asyncio.create_task(collect(s, f.url, i, live[i])) for i in range(4)]
+        got = await f.kill_when(tasks, lambda: all(len(c.text.get(k, "")) >= 20
+                                                   for c in live for k in (0, 1)),
+                                "every choice mid-way")
+    for i, (w, have) in enumerate(zip(want, got, strict=True)):
+        assert have.errors == [] and have.done == 1, (i, have.errors)
+        assert have.text == w.text and len(w.text) == 2, (i, have.text, w.text)
+        assert have.finish == {0: ["length"], 1: ["length"]}, (i, have.finish)

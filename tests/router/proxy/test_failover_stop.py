@@ -6,7 +6,6 @@ back); each client's text equals the uninterrupted run's, cut at the stop string
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -14,14 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from radixserve.testing.fake_replica import start_app
-from router.app import ROUTER_KEY, create_app
-from router.config import RouterConfig
-from tests.server_proc import running_server
+from tests.router.proxy.smollm2_fleet import smollm2_fleet
 from tests.sse import openai_chunks
-from tests.waiting import wait_until
 
-FAST = RouterConfig(health_interval_s=0.2, health_timeout_s=1.0, retry_backoff_s=0.01)
 MAX_TOKENS = 40
 STOP_FROM, STOP_TO = 6, 36  # the stop string: the text of these output tokens
 PROMPTS = [f"Tell me about the {thing} and why it matters. First," for thing in
@@ -80,36 +74,21 @@ def stop_string(seen: Seen) -> tuple[str, int]:
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
 async def test_sigkill_inside_stop_strings_with_seeded_sampling(tmp_path: Path) -> None:
-    args = ["--kv-cache-tokens", "4096", "--max-model-len", "1024"]
-    with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(running_server("smollm2-135m", tmp_path / f"r{i}.log",
-                                                      args)) for i in range(3)]
-        async with aiohttp.ClientSession() as s:
-            free = [await collect(s, servers[0].url, i, None, Seen()) for i in range(8)]
-            stops = [stop_string(f) for f in free]
-            want = [await collect(s, servers[0].url, i, stops[i][0], Seen()) for i in range(8)]
-            for i, w in enumerate(want):  # the uninterrupted run stops where it should
-                assert w.text == free[i].text[:stops[i][1]] and w.finish == ["stop"], i
-            app = create_app(dataclasses.replace(FAST, workers=tuple(x.url for x in servers)))
-            runner, url = await start_app(app)
-            try:
-                router = app[ROUTER_KEY]
-                live = [Seen() for _ in range(8)]
-                tasks = [asyncio.create_task(collect(s, url, i, stops[i][0], live[i]))
-                         for i in range(8)]
-                # Every stream has sent the text before its stop string: from here on its
-                # replica holds back what it samples, until the stop string is complete.
-                await wait_until(lambda: all(len(c.text) >= stops[i][1]
-                                             for i, c in enumerate(live)),
-                                 timeout=300, what="every stream inside its stop string")
-                victim = max(router.pool.all(), key=lambda w: w.in_flight)
-                assert victim.in_flight >= 1
-                next(x for x in servers if x.url == victim.url).proc.kill()
-                got = await asyncio.gather(*tasks)
-                assert router.stream_counts["resumed"] >= 1
-                assert router.stream_counts["failed"] == 0
-            finally:
-                await runner.cleanup()
+    async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
+        first = f.servers[0].url
+        free = [await collect(s, first, i, None, Seen()) for i in range(8)]
+        stops = [stop_string(x) for x in free]
+        want = [await collect(s, first, i, stops[i][0], Seen()) for i in range(8)]
+        for i, w in enumerate(want):  # the uninterrupted run stops where it should
+            assert w.text == free[i].text[:stops[i][1]] and w.finish == ["stop"], i
+        live = [Seen() for _ in range(8)]
+        tasks = [asyncio.create_task(collect(s, f.url, i, stops[i][0], live[i]))
+                 for i in range(8)]
+        # Every stream has sent the text before its stop string: from here on its replica
+        # holds back what it samples, until the stop string is complete.
+        got = await f.kill_when(tasks, lambda: all(len(c.text) >= stops[i][1]
+                                                   for i, c in enumerate(live)),
+                                "every stream inside its stop string")
     for i, (w, have) in enumerate(zip(want, got, strict=True)):
         assert have.errors == [] and have.done == 1, (i, have.errors)
         assert have.text == w.text, (i, have.text, w.text)
