@@ -86,9 +86,9 @@ def body_for(i: int) -> tuple[str, dict[str, Any]]:
     common: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 50 + i,
                               "n": 2, "ignore_eos": True, "stream": True}
     if i % 2 == 0:
-        return "/v1/completions", {"prompt": PROMPTS[i], **common}
+        return "/v1/completions", {"prompt": PROMPTS[i], "logprobs": 2, **common}
     return "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[i]}],
-                                    **common}
+                                    "logprobs": True, "top_logprobs": 2, **common}
 
 
 @dataclasses.dataclass
@@ -97,6 +97,21 @@ class PerChoice:
     finish: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     errors: list[Any] = dataclasses.field(default_factory=list)
     done: int = 0
+    # Per choice, per token: (token, logprob, text_offset or None, alternatives).
+    logprobs: dict[int, list[tuple[str, float, int | None, frozenset[str]]]] = \
+        dataclasses.field(default_factory=dict)
+
+    def add_logprobs(self, index: int, lp: dict[str, Any] | None) -> None:
+        rows = self.logprobs.setdefault(index, [])
+        if lp is None:
+            return
+        if "content" in lp:  # chat
+            rows += [(e["token"], e["logprob"], None,
+                      frozenset(t["token"] for t in e["top_logprobs"])) for e in lp["content"]]
+            return
+        rows += [(tok, value, offset, frozenset(top or ())) for tok, value, offset, top in zip(
+            lp["tokens"], lp["token_logprobs"], lp["text_offset"], lp["top_logprobs"],
+            strict=True)]
 
 
 async def collect(s: aiohttp.ClientSession, url: str, i: int, out: PerChoice) -> PerChoice:
@@ -107,6 +122,7 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: PerChoice) ->
             for ch in event["choices"]:
                 piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
                 out.text[ch["index"]] = out.text.get(ch["index"], "") + piece
+                out.add_logprobs(ch["index"], ch.get("logprobs"))
                 if ch["finish_reason"]:
                     out.finish.setdefault(ch["index"], []).append(ch["finish_reason"])
     return out
@@ -115,7 +131,7 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: PerChoice) ->
 @pytest.mark.slow
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
-async def test_sigkill_mid_stream_with_two_seeded_choices_each(tmp_path: Path) -> None:
+async def test_sigkill_mid_stream_with_two_seeded_choices_and_logprobs(tmp_path: Path) -> None:
     async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
         want = [await collect(s, f.servers[0].url, i, PerChoice()) for i in range(4)]
         live = [PerChoice() for _ in range(4)]
@@ -127,3 +143,8 @@ async def test_sigkill_mid_stream_with_two_seeded_choices_each(tmp_path: Path) -
         assert have.errors == [] and have.done == 1, (i, have.errors)
         assert have.text == w.text and len(w.text) == 2, (i, have.text, w.text)
         assert have.finish == {0: ["length"], 1: ["length"]}, (i, have.finish)
+        for k in (0, 1):  # the same tokens, offsets and alternatives; values up to numerics
+            mine, ref = have.logprobs[k], w.logprobs[k]
+            assert len(ref) == MAX_TOKENS and [(t, o, a) for t, _, o, a in mine] == \
+                [(t, o, a) for t, _, o, a in ref], (i, k)
+            assert all(abs(a[1] - b[1]) < 1e-3 for a, b in zip(mine, ref, strict=True))
