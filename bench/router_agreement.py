@@ -1,6 +1,7 @@
 """Two routers in front of the same replicas: how often do they make the same choice?
 
-    python -m bench.router_agreement [--requests 400 --concurrency 1 --replicas 4]
+    python -m bench.router_agreement [--requests 400 --concurrency 1 16 --replicas 4
+                                      --balance-abs-threshold 0 8]
 
 In-process (no timing is measured, only decisions): fake replicas with real /kv_events and an
 LRU cache, two routers (A and B) in one mode, a multi-tenant trace (bench/common/router_trace.py)
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -41,13 +43,16 @@ async def dry_choice(router: Router, body: dict[str, Any]) -> str | None:
 
 
 async def measure(mode: str, prompts: Sequence[str], replicas: int, cache_blocks: int,
-                  concurrency: int, router_replicas: int = 2) -> float:
-    """The share of requests on which the two routers agree (module docstring)."""
+                  concurrency: int, router_replicas: int = 2,
+                  base: RouterConfig | None = None) -> float:
+    """The share of requests on which the two routers agree (module docstring); `base`:
+    the routers' other settings (e.g. parsed from a manifest's args)."""
     fakes = [FakeReplica(FakeReplicaConfig(name=f"r{i}", cache_blocks=cache_blocks))
              for i in range(replicas)]
     urls = tuple([await f.start() for f in fakes])
-    cfg = RouterConfig(workers=urls, kv_events=mode == "precise", router_replicas=router_replicas,
-                       health_interval_s=0.5, kv_stream_timeout_s=5.0)
+    cfg = dataclasses.replace(base or RouterConfig(), workers=urls,
+                              kv_events=mode == "precise", router_replicas=router_replicas,
+                              health_interval_s=0.5, kv_stream_timeout_s=5.0, tokenizer=None)
     apps = [create_app(cfg, encoder=ByteEncoder()) for _ in range(2)]
     started = [await start_app(app) for app in apps]
     routers = [app[ROUTER_KEY] for app in apps]
@@ -89,16 +94,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--cache-blocks", type=int, default=256)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--balance-abs-threshold", type=int, nargs="+", default=[0, 8],
+                   help="the routers' load dead band (router/deploy/router.yaml: 8)")
     args = p.parse_args(argv)
     trace = TraceConfig(tenants=args.tenants, requests=args.requests,
                         prefix_len=args.prefix_len)
     prompts = pressure_trace(trace, random.Random(0))
-    print("| mode | concurrency | agreement |\n|---|---|---|")
+    print("| mode | balance-abs-threshold | concurrency | agreement |\n|---|---|---|---|")
     for mode in ("precise", "approximate"):
-        for conc in args.concurrency:
-            share = asyncio.run(measure(mode, prompts, args.replicas, args.cache_blocks, conc))
-            print(f"| {mode} | {conc} | {share:.2%} |")
+        for band in args.balance_abs_threshold:
+            for conc in args.concurrency:
+                base = RouterConfig(balance_abs_threshold=band)
+                share = asyncio.run(measure(mode, prompts, args.replicas, args.cache_blocks,
+                                            conc, base=base))
+                print(f"| {mode} | {band} | {conc} | {share:.2%} |")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                             '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\': '
                             "block events in vLLM's msgpack format over ZMQ (also turns on "
                             "--enable-kv-events)")
+    serve.add_argument("--prefix-caching-hash-algo", choices=["xxh64", "sha256_cbor"],
+                       default=None, help="block hashes of the KV events (SSE and ZMQ): "
+                       "xxh64 (default) or vLLM's sha256_cbor, which indexers recompute "
+                       "from prompts")
     serve.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
                        help="vllm: /metrics also carries vllm:num_requests_waiting, "
                             "vllm:num_requests_running and vllm:kv_cache_usage_perc")
@@ -172,7 +176,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         keys.append(environ[API_KEY_ENV])
     server_kwargs = given([f for _, _, f, _ in _SERVER_FLAGS]
                           + ["shared_cache", "admin_key", "log_requests", "restart_engine",
-                             "metrics_compat"])
+                             "metrics_compat", "prefix_caching_hash_algo"])
     if kv_zmq is not None:
         server_kwargs["kv_events_config"] = kv_zmq
     return ServerConfig(api_keys=tuple(dict.fromkeys(keys)), engine=EngineConfig(**engine_kwargs),

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixserve.kv_events.block_hash import HashAlgo
 from router.config import ConfigError, PolicyName, RouterConfig
 from router.discovery.discovery_config import add_discovery_args, discovery_from_args
 from router.fleet.canary import parse_worker_flags
@@ -59,11 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="model spec whose tokenizer the replicas use (precise mode)")
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
+    p.add_argument("--prefix-caching-hash-algo", choices=[a.value for a in HashAlgo],
+                   default=d.prefix_caching_hash_algo.value,
+                   help="the replicas' block hash (their --prefix-caching-hash-algo), for "
+                   "precise mode")
     p.add_argument("--shared-cache", action="store_true",
                    help="replicas share one cache namespace (their --shared-cache)")
     p.add_argument("--block-chars", type=int, default=d.block_chars)
     p.add_argument("--index-max-entries", type=int, default=d.index_max_entries)
     p.add_argument("--balance-lambda", type=float, default=d.balance_lambda)
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="loads differing by at most this many requests count as equal "
+                   "(cache_aware): several routers, each seeing only its own load, then agree")
     p.add_argument("--health-interval", type=float, default=d.health_interval_s)
     p.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
     p.add_argument("--fail-threshold", type=int, default=d.fail_threshold)
@@ -79,12 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0: it ends with an SSE error event)")
     p.add_argument("--stream-stall-timeout", type=float, default=d.stream_stall_timeout_s,
                    help="seconds without a byte after a stream started: the replica failed")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help="seconds for a whole non-streamed answer; past it: 504")
+    p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout_s,
+                   help="seconds for a replica's response headers and first byte (every "
+                   "route, and a resumed stream); past it: 504, or an SSE error mid-stream")
     p.add_argument("--api-keys-file", default=None,
                    help="the replicas' keys file (.json/.toml): enforce each key's rpm, tpm "
                    "and max_concurrency fleet-wide before routing; reloaded on SIGHUP")
     p.add_argument("--router-replicas", type=int, default=d.router_replicas,
                    help="routers sharing the replicas: each enforces 1/N of every key "
                    "limit and breaks routing ties by hash, so routers agree")
+    p.add_argument("--redis-url", default=None, metavar="redis://HOST:PORT/DB",
+                   help="count every key's limits in this Redis, shared by all routers "
+                   "(exact fleet-wide); while it is down each router enforces its "
+                   "--router-replicas share")
     p.add_argument("--log-level", default="INFO")
     add_discovery_args(p)
     return p
@@ -100,15 +117,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         admin_key=args.admin_key, replica_api_key=args.replica_api_key,
         precise_max_blocks=args.precise_max_blocks, kv_events=args.kv_events,
         tokenizer=args.tokenizer,
-        kv_block_size=args.kv_block_size, salt_by_api_key=not args.shared_cache,
+        kv_block_size=args.kv_block_size,
+        prefix_caching_hash_algo=HashAlgo(args.prefix_caching_hash_algo), salt_by_api_key=not args.shared_cache,
         block_chars=args.block_chars, index_max_entries=args.index_max_entries,
-        balance_lambda=args.balance_lambda, health_interval_s=args.health_interval,
+        balance_lambda=args.balance_lambda, balance_abs_threshold=args.balance_abs_threshold,
+        health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, fail_threshold=args.fail_threshold,
         success_threshold=args.success_threshold, max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout, seed=args.seed,
         session_load_factor=args.session_load_factor, max_resumes=args.max_resumes,
-        stream_stall_timeout_s=args.stream_stall_timeout, api_keys_file=args.api_keys_file,
-        router_replicas=args.router_replicas,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout, api_keys_file=args.api_keys_file,
+        router_replicas=args.router_replicas, redis_url=args.redis_url,
     )
 
 

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from radixserve.kv_events.block_hash import HashAlgo
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names it and what is allowed."""
@@ -79,6 +81,8 @@ class RouterConfig:
     kv_events: bool = False
     tokenizer: str | None = None  # a model spec radixserve.model_source understands
     kv_block_size: int = 16  # must equal the replicas' --kv-events block size
+    # ... and this their --prefix-caching-hash-algo (xxh64 or vLLM's sha256_cbor)
+    prefix_caching_hash_algo: HashAlgo = HashAlgo.XXH64
     pending_ttl_s: float = 30.0  # routed-but-not-yet-announced blocks count this long
     kv_stream_timeout_s: float = 30.0  # no byte (not even a keepalive) for this long: down
     precise_max_blocks: int = 1 << 20  # block hashes kept per replica, oldest dropped beyond
@@ -90,6 +94,8 @@ class RouterConfig:
     index_max_entries: int = 1 << 20  # (block, worker) pairs over ALL workers, LRU beyond
     # cache_aware score = match_ratio - balance_lambda * (load - min_load) / max(1, mean_load)
     balance_lambda: float = 0.5
+    # Loads differing by at most this many requests count as equal (policy.py); 0: off.
+    balance_abs_threshold: int = 0
     # Health: GET /health every interval; N failures -> down, M successes -> up.
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
@@ -118,10 +124,18 @@ class RouterConfig:
     # long (after its first) counts as broken. 0 resumes: a broken stream ends with an error.
     max_resumes: int = 1
     stream_stall_timeout_s: float = 60.0
+    # Every wait on a replica is bounded (relay.py): response headers and the first body byte
+    # within first_byte_timeout_s, a whole non-streamed answer within request_timeout_s.
+    # Past either: 504 (or, mid-stream, an SSE error event), one fault for the replica.
+    request_timeout_s: float = 600.0
+    first_byte_timeout_s: float = 60.0
     # Fleet-wide limits (limits.py): the replicas' keys file, and how many routers share it
     # (each enforces 1/router_replicas of every rpm, tpm and max_concurrency).
     api_keys_file: str | None = None
     router_replicas: int = 1
+    # redis://HOST:PORT/DB: every router counts the keys' limits in this Redis, exactly
+    # (redis_limits.py); router_replicas is then the share each uses while it is down.
+    redis_url: str | None = None
 
     def _check_groups(self) -> None:
         grouped = dict(self.worker_groups)
@@ -158,6 +172,10 @@ class RouterConfig:
         self._check_groups()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not isinstance(self.prefix_caching_hash_algo, HashAlgo):
+            raise ConfigError(f"unknown prefix-caching hash algo "
+                              f"{self.prefix_caching_hash_algo!r}; supported: "
+                              f"{', '.join(a.value for a in HashAlgo)}")
         if self.kv_events and self.policy is not PolicyName.CACHE_AWARE:
             raise ConfigError("--kv-events needs --policy cache_aware")
         for name in ("kv_block_size", "block_chars", "index_max_entries",
@@ -165,12 +183,16 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                     "pending_ttl_s", "kv_stream_timeout_s"):
+                     "pending_ttl_s", "kv_stream_timeout_s", "request_timeout_s",
+                     "first_byte_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.retry_backoff_factor < 1:
             raise ConfigError("max_retries >= 0, retry_backoff_s >= 0, retry_backoff_factor >= 1")
         self._check_fleet()
+        if self.balance_abs_threshold < 0:
+            raise ConfigError(f"balance_abs_threshold must be >= 0, got "
+                              f"{self.balance_abs_threshold}")
         if self.balance_lambda < 0:
             raise ConfigError(f"balance_lambda must be >= 0, got {self.balance_lambda}")
         for name in ("admin_key", "replica_api_key"):
@@ -184,6 +206,12 @@ class RouterConfig:
         for name in ("max_sessions", "router_replicas"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.redis_url is not None:
+            if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(f"--redis-url must look like redis://HOST:PORT/DB, got "
+                                  f"{self.redis_url!r}")
+            if self.api_keys_file is None:
+                raise ConfigError("--redis-url counts the limits of --api-keys-file: give both")
         if self.max_resumes < 0:
             raise ConfigError(f"max_resumes must be >= 0, got {self.max_resumes}")
         if not self.stream_stall_timeout_s > 0:

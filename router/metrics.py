@@ -63,6 +63,30 @@ class RouterCollector(Collector):
             yield kv_live
         yield from self._groups()
         yield from self._sessions()
+        yield from self._keys()
+
+    def _keys(self) -> Iterator[Metric]:
+        """Fleet-wide key limits (key_limits.py): by key name, never the key."""
+        limits = self.router.limits
+        if limits is None:
+            return
+        in_flight = GaugeMetricFamily(PREFIX + "key_requests_in_flight", "Requests of the key "
+                                      "this router holds a concurrency slot for",
+                                      labels=["key_name"])
+        for name, count in limits.in_flight().items():
+            in_flight.add_metric([name], count)
+        refused = CounterMetricFamily(PREFIX + "key_requests_refused", "Requests this router "
+                                      "refused with 429 for their key's limits")
+        refused.add_metric([], limits.num_refused)
+        yield from (in_flight, refused)
+        if limits.redis is not None:
+            up = GaugeMetricFamily(PREFIX + "key_limits_redis_up", "1 while the shared Redis "
+                                   "answered its last call (--redis-url)")
+            up.add_metric([], 1.0 if limits.redis.up else 0.0)
+            fallbacks = CounterMetricFamily(PREFIX + "key_limits_redis_fallbacks", "Requests "
+                                            "limited by this router's share: Redis was down")
+            fallbacks.add_metric([], limits.redis.num_fallbacks)
+            yield from (up, fallbacks)
 
     def _sessions(self) -> Iterator[Metric]:
         counts = self.router.sessions.counts

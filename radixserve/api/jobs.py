@@ -45,6 +45,9 @@ class ChoiceJob:
     cache_salt: str
     priority: int = 0
     prediction_ids: tuple[int, ...] = ()  # OpenAI's `prediction`, tokenized (a draft source)
+    # The last N prompt ids are this choice's own earlier output (native
+    # `continue_output_tokens`): the detokenizer and stop matcher replay them.
+    num_continued: int = 0
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ CHAT_FIELDS = _OPENAI_FIELDS | EXTRA_CONSTRAINT_FIELDS | {
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs"}
 GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "priority",
-                             "timeout"})
+                             "timeout", "continue_output_tokens", "return_logprob",
+                             "top_logprobs_num"})
 GENERATE_SAMPLING_FIELDS = (_SAMPLING_FIELDS - {"max_tokens", "max_completion_tokens"}) | {
     "max_new_tokens", "min_new_tokens", "n", *NATIVE_CONSTRAINT_FIELDS,
 }
@@ -114,6 +115,9 @@ class ChatRequest:
 class GenerateRequest:
     prompt: PromptInput
     opts: RequestOptions
+    # The last N input ids are this request's own earlier output (a router resuming a broken
+    # stream): replayed through the detokenizer and stop matcher, their text not sent again.
+    num_continued: int = 0
 
 
 def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -306,7 +310,19 @@ def parse_generate(body: Any, check: Check = check_constraint) -> GenerateReques
     renamed["stream"] = body.get("stream")
     renamed["priority"] = body.get("priority")
     renamed["timeout"] = body.get("timeout")
-    opts = _parse_options(renamed, None, None)
+    top = get_int(body, "top_logprobs_num", lo=0, hi=MAX_LOGPROBS)
+    opts = _parse_options(renamed, None,
+                          (top or 0) if get_bool(body, "return_logprob") else None)
     if constraint is not None:
         opts = replace(opts, params=replace(opts.params, constraint=constraint))
-    return GenerateRequest(prompt, opts)
+    return GenerateRequest(prompt, opts, _num_continued(body, prompt))
+
+
+def _num_continued(body: dict[str, Any], prompt: PromptInput) -> int:
+    num = get_int(body, "continue_output_tokens", lo=0) or 0
+    if num and isinstance(prompt, str):
+        raise bad("'continue_output_tokens' needs 'input_ids'", "continue_output_tokens")
+    if num and num >= len(prompt):
+        raise bad("'continue_output_tokens' must leave at least one prompt token",
+                  "continue_output_tokens")
+    return num

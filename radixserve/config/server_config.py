@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from radixserve.config.engine_config import EngineConfig
 from radixserve.config.kv_events_config import KVEventsConfig
 from radixserve.config.parsing import ConfigError
+from radixserve.kv_events.block_hash import HashAlgo
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: also export these engines' metric names
@@ -44,6 +45,8 @@ class ServerConfig:
     # /v1/responses kept for previous_response_id and GET (least recently used dropped first;
     # 0: none kept). Each holds its own input and output; a chain shares its items.
     responses_store_size: int = 10000
+    # The block hashes of both KV event streams: radixserve's xxh64 or vLLM's sha256_cbor.
+    prefix_caching_hash_algo: str = HashAlgo.XXH64.value
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -73,5 +76,9 @@ class ServerConfig:
         if self.responses_store_size < 0:
             raise ConfigError(f"responses_store_size must be >= 0, got "
                               f"{self.responses_store_size}")
+        if self.prefix_caching_hash_algo not in {a.value for a in HashAlgo}:
+            raise ConfigError(f"unknown prefix-caching hash algo "
+                              f"{self.prefix_caching_hash_algo!r}; supported: "
+                              f"{', '.join(a.value for a in HashAlgo)}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

@@ -7,7 +7,8 @@ HTTP (server/routes/kv_events.py streams batches), the radix tree itself (its `C
 duck-typed: `kind`, `token_ids`, `prefix_len`, `salt`).
 
 The block hash (a hash that differs across processes silently turns every lookup into a
-miss, so it is spelled out here and pinned by a test against xxhash itself):
+miss, so it is spelled out here and pinned by a test against xxhash itself; with
+`--prefix-caching-hash-algo sha256_cbor` vLLM's chain instead, block_hash.py):
 
     B       block size in tokens (default 16); only FULL blocks have a hash
     h_{-1}  = xxh64(salt.encode("utf-8"), seed=0).intdigest()            # salt "" -> xxh64(b"")
@@ -46,6 +47,8 @@ import numpy as np
 import orjson
 import xxhash
 
+from radixserve.kv_events.block_hash import HashAlgo, sha256_cbor_hashes
+
 DEFAULT_BLOCK_SIZE = 16
 _HASH_SEED = 0
 
@@ -71,12 +74,16 @@ def chained_hashes(chunks: Iterable[bytes], salt: str = "") -> list[int]:
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, salt: str = ""
+    token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, salt: str = "",
+    algo: HashAlgo = HashAlgo.XXH64,
 ) -> list[int]:
-    """Hashes of the full blocks of `token_ids` (see the module docstring for the exact chain).
+    """Hashes of the full blocks of `token_ids` (see the module docstring for the exact chain;
+    `algo` sha256_cbor: vLLM's, block_hash.py).
 
     Raises ValueError for a block size < 1 and OverflowError for ids outside int32.
     """
+    if algo is HashAlgo.SHA256_CBOR:
+        return sha256_cbor_hashes(token_ids, block_size, salt)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     num_blocks = len(token_ids) // block_size
@@ -191,12 +198,13 @@ class KVEventPublisher:
 
     def __init__(
         self, block_size: int = DEFAULT_BLOCK_SIZE, max_batches: int = 4096,
-        keepalive_s: float = 10.0,
+        keepalive_s: float = 10.0, hash_algo: HashAlgo = HashAlgo.XXH64,
     ) -> None:
         if block_size < 1 or max_batches < 1 or keepalive_s <= 0:
             raise ValueError("block_size and max_batches must be >= 1, keepalive_s > 0")
         self.block_size = block_size
         self.keepalive_s = keepalive_s
+        self.hash_algo = hash_algo
         self._buffer: deque[EventBatch] = deque(maxlen=max_batches)
         self._live: dict[str | None, set[int]] = {}  # medium -> block hashes held there
         self._last_seq = 0
@@ -265,7 +273,7 @@ class KVEventPublisher:
         first = ce.prefix_len // bs  # first block whose end > prefix_len
         if first >= num_full:
             return []
-        hashes = block_hashes(path[: num_full * bs], bs, ce.salt)
+        hashes = block_hashes(path[: num_full * bs], bs, ce.salt, self.hash_algo)
         medium = getattr(ce, "medium", None)  # a tiered cache names the tier
         if kind == "stored":
             parent = hashes[first - 1] if first > 0 else None

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from radixserve.config import ServerConfig
 from radixserve.ipc.client import EngineClient
+from radixserve.kv_events.block_hash import HashAlgo
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.zmq_stream import zmq_lifecycle
 from radixserve.server.access.body import BODY_TIMEOUT_KEY
@@ -101,7 +102,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     add_native_routes(app)
     add_tokenize_routes(app)
     if cfg.engine.enable_kv_events:
-        publisher = KVEventPublisher()
+        publisher = KVEventPublisher(hash_algo=HashAlgo(cfg.prefix_caching_hash_algo))
         client.cache_event_sinks.append(publisher.publish)
         setup_kv_events(app, publisher)
         if cfg.kv_events_config is not None and cfg.kv_events_config.publishes:

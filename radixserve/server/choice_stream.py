@@ -75,12 +75,25 @@ class _Timer:
             self._metrics.request_success.labels(finish_reason).inc()
 
 
+def _text_state(tokenizer: Decoder, job: ChoiceJob
+                ) -> tuple[IncrementalDetokenizer, StopMatcher]:
+    """The detokenizer and stop matcher, for a continuation (`num_continued`) in the state
+    the interrupted stream left them: the text it still held back (a stop string's possible
+    start, a character's first bytes) is held again, and a stop string straddling the break
+    is found; the text it had sent is not sent again."""
+    cut = len(job.prompt_ids) - job.num_continued
+    detok = IncrementalDetokenizer(tokenizer, job.prompt_ids[:cut])
+    stopper = StopMatcher(job.stop)
+    for token_id in job.prompt_ids[cut:]:
+        stopper.push(detok.push(token_id))
+    return detok, stopper
+
+
 async def stream_choice(client: GenerateClient, tokenizer: Decoder, job: ChoiceJob,
                         hidden_ids: Sequence[int] = (), metrics: ServerMetrics | None = None,
                         arrival: float | None = None) -> AsyncGenerator[ChoiceChunk, None]:
     """Run one choice; `hidden_ids` (EOS) never reach the text when they end the request."""
-    detok = IncrementalDetokenizer(tokenizer, job.prompt_ids)
-    stopper = StopMatcher(job.stop)
+    detok, stopper = _text_state(tokenizer, job)
     hidden = set(hidden_ids) | set(job.params.stop_token_ids)
     timer = _Timer(metrics, time.perf_counter() if arrival is None else arrival)
     msg = GenerateMsg(job.rid, list(job.prompt_ids), job.params, job.cache_salt, job.priority,

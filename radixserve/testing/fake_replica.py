@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from radixserve.api.api_keys import cache_salt_for_api_key
+from radixserve.kv_events.block_hash import HashAlgo
 from radixserve.kv_events.publisher import (
     AllBlocksCleared,
     BlockEvent,
@@ -34,6 +35,7 @@ from radixserve.kv_events.publisher import (
     block_hashes,
 )
 from radixserve.server.routes.kv_events import setup_kv_events
+from radixserve.testing.hang import Hang, hang_middleware
 from router.config import RouterConfig
 
 
@@ -69,6 +71,7 @@ class FakeReplicaConfig:
     default_max_tokens: int = 4
     kv_keepalive_s: float = 10.0
     salt_by_key: bool = True  # False: like a server without --api-key (one namespace)
+    hash_algo: HashAlgo = HashAlgo.XXH64  # --prefix-caching-hash-algo
 
 
 class FakeReplica:
@@ -79,6 +82,7 @@ class FakeReplica:
         self.healthy = True
         self.break_after_chunks: int | None = None  # streams die after this many chunks
         self.hold_streams: asyncio.Event | None = None  # set: streams wait before their end
+        self.hang: Hang | None = None  # set: every request hangs there (hang.py)
         self.num_requests = 0
         self.num_aborted = 0  # streams whose client went away
         self.prompt_tokens = 0
@@ -88,7 +92,7 @@ class FakeReplica:
         self._prefill = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self.url = ""
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[hang_middleware(lambda: self.hang)])
         setup_kv_events(self.app, self.publisher)
         for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
             self.app.router.add_post(path, self._generate)
@@ -120,7 +124,7 @@ class FakeReplica:
     def _lookup_and_insert(self, ids: list[int], salt: str) -> int:
         """Cached prefix tokens before this request; afterwards all its blocks are cached."""
         bs = self.cfg.block_size
-        hashes = block_hashes(ids, bs, salt)
+        hashes = block_hashes(ids, bs, salt, self.cfg.hash_algo)
         matched = 0
         while matched < len(hashes) and hashes[matched] in self._cache:
             matched += 1

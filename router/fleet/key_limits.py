@@ -14,6 +14,10 @@ router before the whole limit is used. Tokens are charged up front as the replic
 (prompt + max_tokens), the prompt counted as its UTF-8 bytes / 4 (the router has no
 tokenizer here) and never refunded; each replica still enforces its own exact buckets.
 A request whose key is not in the file passes through: the replica answers it (401).
+
+With `--redis-url` (redis_limits.py) every router counts each key's whole limits in one Redis
+instead, exact however the traffic is spread; while Redis does not answer, each router falls
+back to its share as above (logged once, counted in key_limits_redis_fallbacks), never a 5xx.
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ import contextlib
 import logging
 import math
 import signal
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from radixserve.api.api_keys import KeyLimits, digest_key, load_keys_file
-from radixserve.api.ratelimit import RateLimiter
+from radixserve.api.ratelimit import RateLimiter, format_duration
 from radixserve.config import ConfigError
+from router.fleet.redis_limits import Grant, RedisCounter
 from router.proxy.stream_state import COMPLETIONS_DEFAULT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,32 @@ def estimate_tokens(body: Any) -> int:
     return max(1, num_prompt + max(0, out))
 
 
+def _capped(num_tokens: int, limits: KeyLimits) -> int:
+    """A request larger than a minute's allowance is the replica's to refuse (400)."""
+    return num_tokens if limits.tpm is None else min(num_tokens, limits.tpm)
+
+
+def _refusal(grant: Grant, limits: KeyLimits) -> web.Response | None:
+    """Redis's answer as the replica's 429 (None: granted)."""
+    headers: dict[str, str] = {}
+    for kind, limit, left in (("requests", limits.rpm, grant.requests_left),
+                              ("tokens", limits.tpm, grant.tokens_left)):
+        if limit is not None:
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(left)))
+            headers[f"x-ratelimit-reset-{kind}"] = format_duration((limit - left) * 60 / limit)
+    if not grant.refused:
+        return None
+    if grant.refused == "concurrency":
+        return _too_many(f"too many concurrent requests for this API key (fleet-wide: "
+                         f"{limits.max_concurrency})", "concurrency_limit_exceeded",
+                         CONCURRENCY_RETRY_AFTER_S, headers)
+    per_min = limits.rpm if grant.refused == "requests" else limits.tpm
+    return _too_many(f"rate limit reached for {grant.refused} per minute (fleet-wide: "
+                     f"{per_min}); retry in {grant.wait_s:.1f}s", "rate_limit_exceeded",
+                     grant.wait_s, headers)
+
+
 def _too_many(message: str, code: str, retry_after_s: float,
               headers: dict[str, str]) -> web.Response:
     body = {"error": {"message": message, "type": "rate_limit_error", "param": None,
@@ -72,13 +103,22 @@ def _too_many(message: str, code: str, retry_after_s: float,
                         headers={**headers, "Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
+@dataclass(frozen=True)
+class _Key:
+    name: str
+    whole: KeyLimits  # the file's limits: what Redis counts fleet-wide
+    share: KeyLimits  # this router's part of them, without Redis (or while it is down)
+
+
 class FleetLimits:
     def __init__(self, path: str, num_routers: int,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 redis: RedisCounter | None = None) -> None:
         self.path = path
         self.num_routers = num_routers
         self.rate = RateLimiter(clock) if clock is not None else RateLimiter()
-        self._keys: dict[bytes, tuple[str, KeyLimits]] = {}
+        self.redis = redis
+        self._keys: dict[bytes, _Key] = {}
         self._in_flight: dict[str, int] = {}
         self.num_refused = 0
         self.reload()
@@ -86,7 +126,8 @@ class FleetLimits:
     def reload(self) -> None:
         """Read the file again; raises ConfigError (the old keys stay)."""
         entries = load_keys_file(self.path)
-        self._keys = {e.digest: (e.name, share(e.limits, self.num_routers)) for e in entries}
+        self._keys = {e.digest: _Key(e.name, e.limits, share(e.limits, self.num_routers))
+                      for e in entries}
 
     def reload_logged(self) -> None:
         try:
@@ -95,30 +136,41 @@ class FleetLimits:
         except ConfigError as e:
             log.error("keys file %s not reloaded (the old keys stay): %s", self.path, e)
 
-    def _caller(self, authorization: str | None) -> tuple[str, KeyLimits] | None:
+    def _caller(self, authorization: str | None) -> tuple[bytes, _Key] | None:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
-        return self._keys.get(digest_key(token.strip()))
+        digest = digest_key(token.strip())
+        key = self._keys.get(digest)
+        return None if key is None else (digest, key)
 
-    @contextlib.contextmanager
-    def admit(self, authorization: str | None, body: Any) -> Iterator[web.Response | None]:
+    @contextlib.asynccontextmanager
+    async def admit(self, authorization: str | None, body: Any
+                    ) -> AsyncIterator[web.Response | None]:
         """Yields a 429 to answer, or None while the request may run (its slot held)."""
         caller = self._caller(authorization)
         if caller is None:
             yield None
             return
-        name, limits = caller
-        refusal = self._check(name, limits, estimate_tokens(body))
+        digest, key = caller
+        num_tokens = estimate_tokens(body)
+        grant = None
+        if self.redis is not None:
+            grant = await self.redis.acquire(digest, key.whole, _capped(num_tokens, key.whole))
+        refusal = (self._check(key.name, key.share, num_tokens) if grant is None
+                   else _refusal(grant, key.whole))
         if refusal is not None:
             self.num_refused += 1
             yield refusal
             return
-        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        self._in_flight[key.name] = self._in_flight.get(key.name, 0) + 1
         try:
             yield None
         finally:
-            self._in_flight[name] -= 1
+            self._in_flight[key.name] -= 1
+            if grant is not None and grant.slot is not None and self.redis is not None:
+                # Shielded: a cancelled request still gives its slot back.
+                await asyncio.shield(self.redis.release(digest, grant.slot))
 
     def _check(self, name: str, limits: KeyLimits, num_tokens: int) -> web.Response | None:
         headers = self.rate.headers(name, limits)
@@ -127,9 +179,7 @@ class FleetLimits:
             return _too_many(f"too many concurrent requests for this API key (this router's "
                              f"share: {cap})", "concurrency_limit_exceeded",
                              CONCURRENCY_RETRY_AFTER_S, headers)
-        if limits.tpm is not None:
-            num_tokens = min(num_tokens, limits.tpm)  # the replica answers a too-large one
-        decision = self.rate.try_acquire(name, limits, num_tokens)
+        decision = self.rate.try_acquire(name, limits, _capped(num_tokens, limits))
         if decision.retry_after_s is None:
             return None
         per_min = limits.rpm if decision.limit == "requests" else limits.tpm
@@ -137,6 +187,10 @@ class FleetLimits:
                          f"share: {per_min}); retry in {decision.retry_after_s:.1f}s",
                          "rate_limit_exceeded", decision.retry_after_s,
                          self.rate.headers(name, limits))
+
+    def in_flight(self) -> dict[str, int]:
+        """This router's requests in flight per key name, every key of the file included."""
+        return {k.name: self._in_flight.get(k.name, 0) for k in self._keys.values()}
 
     def install_sighup(self) -> Callable[[], None]:
         """Reload on SIGHUP; returns the undo (the app's cleanup calls it)."""

@@ -7,29 +7,38 @@ between tries: a connection failure (refused, reset, timed out connecting) or a 
 queue (`queue_full`, or no code) just moves on. A 429 for the caller's own per-key limit
 (`rate_limit_exceeded`, `concurrency_limit_exceeded`) is relayed as it stands: retrying it on
 another replica would multiply the key's limits by the number of replicas. When no other
-worker is left, the last retryable answer is passed through as it stands. Once the status line of a 2xx-4xx answer has been relayed,
-bytes go to the client chunk by chunk and are never retried; an upstream failure reaches the
-client as it stands: the connection is dropped, so it sees a truncated response, never a
-short "complete" one. Except streamed /v1/completions and /v1/chat/completions answers: those
-are relayed event by event by resume.py, which continues them on another replica when theirs
-fails mid-way, or ends them with an SSE error event and [DONE]. In-flight counts are decremented in `finally`. Does not know: policies
-or indexes (routing.py), the route table (app.py).
+worker is left, the last retryable answer is passed through as it stands.
+Every wait is bounded (relay.py): no response headers by the first-byte timeout is a 504
+(not retried: the request may be running; the client's wait stays bounded); a non-streamed
+answer is read whole within the request timeout, then answered (504 past it); an SSE answer is
+relayed event by event and ends with an SSE error event and [DONE] when it stalls or breaks.
+Streamed /v1/completions and /v1/chat/completions answers are relayed by resume.py, which
+continues them on another replica when theirs fails mid-way. In-flight counts are
+decremented in `finally`. Does not know: policies or indexes (routing.py), the route table
+(app.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from router.breaker import is_fault
+from router.config import RouterConfig
 from router.fleet.canary import SESSION_HEADER
+from router.proxy.relay import (
+    Deadlines,
+    error_response,
+    passthrough_headers,
+    relay_events,
+    relay_whole,
+    timeout_response,
+)
 from router.proxy.resume import Failover, Upstream
 from router.proxy.stream_state import StreamState, upstream_body, why_not_resumable
 from router.routing.core import Router
@@ -38,33 +47,9 @@ from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-# RFC 9110 7.6.1 hop-by-hop headers, plus those the client library sets itself.
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-})
-
-
-def error_response(status: int, message: str, err_type: str, code: str | None = None,
-                   param: str | None = None) -> web.Response:
-    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
 def no_worker_response(detail: str = "") -> web.Response:
     msg = "no healthy worker is available" + (f" ({detail})" if detail else "")
     return error_response(503, msg, "service_unavailable_error", "no_worker_available")
-
-
-def _passthrough_headers(headers: Mapping[str, str], keep_length: bool) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower in _HOP_BY_HOP and not (keep_length and lower == "content-length"):
-            continue
-        out.add(name, value)
-    return out
 
 
 class Attempt(NamedTuple):
@@ -94,69 +79,51 @@ def per_key_limit(status: int, body: bytes) -> bool:
         return False
 
 
-async def _relay(request: web.Request, upstream: aiohttp.ClientResponse,
-                 worker: Worker, pool: WorkerPool) -> web.StreamResponse:
-    # Content-Length is kept (so a plain JSON answer stays unchunked) only when the bytes go
-    # through untouched: the session never decompresses.
-    out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                             headers=_passthrough_headers(upstream.headers, keep_length=True))
-    await out.prepare(request)
-    while True:
-        try:
-            chunk = await upstream.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            pool.mark_suspect(worker, f"stream broken: {e!r}")
-            log.warning("stream from %s broke mid-way: %r", worker.url, e)
-            if request.transport is not None:
-                request.transport.close()
-            return out
-        if not chunk:
-            break
-        try:
-            await out.write(chunk)
-        except ConnectionResetError:
-            # The client left; closing upstream (in _attempt) makes the replica abort too.
-            upstream.close()
-            return out
-    await out.write_eof()
-    pool.breaker.success(worker)
-    return out
-
-
-async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
-                        worker: Worker, failover: Failover) -> web.StreamResponse:
-    out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                             headers=_passthrough_headers(upstream.headers, keep_length=False))
-    await out.prepare(request)
-    return await failover.relay(request, Upstream(worker, upstream), out)
-
-
 async def _attempt(request: web.Request, session: aiohttp.ClientSession, worker: Worker,
-                   body: bytes, connect_timeout_s: float, pool: WorkerPool,
+                   body: bytes, cfg: RouterConfig, pool: WorkerPool,
                    failover: Failover | None = None) -> Attempt:
     url = f"{worker.url}{request.rel_url}"
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
+    deadlines = Deadlines.start(cfg.first_byte_timeout_s, cfg.request_timeout_s,
+                                cfg.stream_stall_timeout_s)
     try:
-        upstream = await session.request(
-            request.method, url, data=body if body else None, timeout=timeout,
-            headers=_passthrough_headers(request.headers, keep_length=False),
-        )
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        async with asyncio.timeout_at(deadlines.first_byte):
+            upstream = await session.request(
+                request.method, url, data=body if body else None, timeout=timeout,
+                headers=passthrough_headers(request.headers, keep_length=False),
+            )
+    except TimeoutError:
+        # Sent, maybe running: not retried (the client's wait is bounded by this timeout).
+        pool.mark_suspect(worker, f"no response headers within {cfg.first_byte_timeout_s:g} s")
+        return Attempt(timeout_response(f"the replica did not answer within the first-byte "
+                                        f"timeout ({deadlines.first_byte_s:g} s)"), None, None)
+    except (aiohttp.ClientError, OSError) as e:
         return Attempt(None, f"{type(e).__name__}: {e}", None)
     try:
         if retryable(upstream.status):
-            data = await upstream.read()
+            async with asyncio.timeout_at(deadlines.whole):
+                data = await upstream.read()
             fallback = web.Response(status=upstream.status, body=data,
-                                    headers=_passthrough_headers(upstream.headers,
-                                                                 keep_length=False))
+                                    headers=passthrough_headers(upstream.headers,
+                                                                keep_length=False))
             if per_key_limit(upstream.status, data):
                 return Attempt(fallback, None, None)  # relayed: no replica would differ
             return Attempt(None, f"answered {upstream.status}", fallback,
                            suspect=is_fault(upstream.status, data))
-        if failover is not None and upstream.status == 200 and \
-                upstream.content_type == "text/event-stream":
-            return Attempt(await _relay_stream(request, upstream, worker, failover), None, None)
-        return Attempt(await _relay(request, upstream, worker, pool), None, None)
+        if upstream.content_type != "text/event-stream":
+            return Attempt(await relay_whole(upstream, worker, pool, deadlines), None, None)
+        if failover is not None and upstream.status == 200:
+            out = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                     headers=passthrough_headers(upstream.headers,
+                                                                 keep_length=False))
+            await out.prepare(request)
+            relayed = await failover.relay(request, Upstream(worker, upstream, deadlines), out)
+            return Attempt(relayed, None, None)
+        return Attempt(await relay_events(request, upstream, worker, pool, deadlines),
+                       None, None)
+    except (aiohttp.ClientError, TimeoutError) as e:  # nothing relayed yet: try elsewhere
+        upstream.close()
+        return Attempt(None, f"answer broken: {e!r}", None)
     except BaseException:
         upstream.close()  # not fully read: this connection cannot go back to the pool
         raise
@@ -177,7 +144,7 @@ async def proxy(request: web.Request, router: Router, session: aiohttp.ClientSes
             parsed = None  # routed anyway; the replica answers the 400
     if router.limits is None or kind is None:
         return await _proxy(request, router, session, kind, body, parsed)
-    with router.limits.admit(request.headers.get("Authorization"), parsed) as refusal:
+    async with router.limits.admit(request.headers.get("Authorization"), parsed) as refusal:
         if refusal is not None:
             return refusal
         return await _proxy(request, router, session, kind, body, parsed)
@@ -206,8 +173,8 @@ async def _proxy(request: web.Request, router: Router, session: aiohttp.ClientSe
         tried.add(worker.url)
         worker.in_flight += 1
         try:
-            result = await _attempt(request, session, worker, body, cfg.connect_timeout_s,
-                                    router.pool, failover)
+            result = await _attempt(request, session, worker, body, cfg, router.pool,
+                                    failover)
         finally:
             worker.in_flight -= 1
         if result.response is not None:
@@ -230,7 +197,7 @@ def _failover(request: web.Request, router: Router, session: aiohttp.ClientSessi
     cfg = router.cfg
     why = why_not_resumable(kind, parsed) if cfg.max_resumes else "--max-resumes is 0"
     state = StreamState(kind, parsed, strip_ids=parsed.get("return_token_ids") is not True)
-    headers = _passthrough_headers(request.headers, keep_length=False)
+    headers = passthrough_headers(request.headers, keep_length=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
 
     async def reopen(resume: bytes, exclude: set[str]) -> Upstream | None:
@@ -242,23 +209,27 @@ def _failover(request: web.Request, router: Router, session: aiohttp.ClientSessi
             worker = decision.worker
             exclude.add(worker.url)
             worker.in_flight += 1
+            deadlines = Deadlines.start(cfg.first_byte_timeout_s, cfg.request_timeout_s,
+                                        cfg.stream_stall_timeout_s)
             try:
-                resp = await session.post(f"{worker.url}/generate", data=resume,
-                                          headers=headers, timeout=timeout)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                async with asyncio.timeout_at(deadlines.first_byte):
+                    resp = await session.post(f"{worker.url}/generate", data=resume,
+                                              headers=headers, timeout=timeout)
+                    if resp.status != 200:
+                        data = await resp.read()
+                        resp.release()
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 worker.in_flight -= 1
-                router.pool.mark_suspect(worker, f"{type(e).__name__}: {e}")
+                router.pool.mark_suspect(worker, f"resume: {type(e).__name__}: {e}")
                 continue
             if resp.status == 200:
-                return Upstream(worker, resp)
-            data = await resp.read()
-            resp.release()
+                return Upstream(worker, resp, deadlines)
             worker.in_flight -= 1
             log.warning("resume on %s answered %d: %s", worker.url, resp.status, data[:200])
             if is_fault(resp.status, data):
                 router.pool.mark_suspect(worker, f"resume answered {resp.status}")
         return None
 
-    failover = Failover(state, router.pool, reopen, cfg.max_resumes,
-                        cfg.stream_stall_timeout_s, why, router.stream_counts)
+    failover = Failover(state, router.pool, reopen, cfg.max_resumes, why,
+                        router.stream_counts)
     return failover, (body if why is not None else upstream_body(parsed))

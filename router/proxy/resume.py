@@ -14,7 +14,6 @@ before the first byte work (proxy.py).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -23,19 +22,20 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.proxy.relay import DONE, MAX_EVENT_BYTES, Deadlines, read_before, write_error_end
 from router.proxy.stream_state import StreamState
 from router.routing.kv_index import split_sse
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-DONE = b"data: [DONE]\n\n"
 _FAULT_TYPES = frozenset({"server_error", "service_unavailable_error", "internal_error"})
 
 
 class Upstream(NamedTuple):
     worker: Worker
     response: aiohttp.ClientResponse
+    deadlines: Deadlines  # its first byte, then no gap over the stall timeout
 
 
 # Chooses a replica not in the set, sends the continuation body there and returns it once it
@@ -46,6 +46,7 @@ Reopen = Callable[[bytes, set[str]], Awaitable[Upstream | None]]
 class Failure(NamedTuple):
     message: str
     client_gone: bool = False
+    final: bool = False  # no resume can follow (no replica left to resume on)
 
 
 def _is_fault_event(payload: bytes) -> bool | None:
@@ -60,19 +61,22 @@ def _is_fault_event(payload: bytes) -> bool | None:
     return isinstance(error, dict) and error.get("type") in _FAULT_TYPES
 
 
-async def _pump(response: aiohttp.ClientResponse, out: web.StreamResponse,
-                handle: Callable[[bytes], bytes | None], stall_s: float) -> Failure | None:
+async def _pump(up: Upstream, out: web.StreamResponse,
+                handle: Callable[[bytes], bytes | None]) -> Failure | None:
     """Relay events until `[DONE]` (None) or a failure. `handle` turns an upstream payload
     into the payload to write (None: nothing)."""
     buf = bytearray()
+    first: float | None = up.deadlines.first_byte
     while True:
         try:
-            async with asyncio.timeout(stall_s):
-                chunk = await response.content.readany()
+            chunk = await read_before(up.response, first, up.deadlines.stall_s)
         except TimeoutError:
-            return Failure(f"stalled: no byte for {stall_s:g} s")
+            return Failure(f"no first byte within {up.deadlines.first_byte_s:g} s"
+                           if first is not None else
+                           f"stalled: no byte for {up.deadlines.stall_s:g} s")
         except aiohttp.ClientError as e:
             return Failure(f"stream broken: {e!r}")
+        first = None
         if not chunk:
             return Failure("stream ended without [DONE]")
         buf += chunk
@@ -92,26 +96,21 @@ async def _pump(response: aiohttp.ClientResponse, out: web.StreamResponse,
                 await out.write(b"data: " + data + b"\n\n")
             except ConnectionResetError:
                 return Failure("client left", client_gone=True)
-
-
-def error_event(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None,
-                      "code": "stream_interrupted"}}
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+        if len(buf) > MAX_EVENT_BYTES:
+            return Failure(f"an event over {MAX_EVENT_BYTES} bytes")
 
 
 class Failover:
     """One streamed request's relay; `resumable` is None or why it cannot be resumed."""
 
     def __init__(self, state: StreamState, pool: WorkerPool, reopen: Reopen,
-                 max_resumes: int, stall_s: float, resumable: str | None,
+                 max_resumes: int, resumable: str | None,
                  counts: dict[str, int] | None = None) -> None:
         self.counts = counts if counts is not None else {}  # "resumed", "failed" (metrics)
         self.state = state
         self.pool = pool
         self.reopen = reopen
         self.max_resumes = max_resumes
-        self.stall_s = stall_s
         self.resumable = resumable
         self.num_resumes = 0
         self._pending: list[bytes] = []  # events the router writes itself before [DONE]
@@ -121,13 +120,13 @@ class Failover:
         """Relay `first` (headers already sent as `out`), resuming on failures."""
         st = self.state
         worker = first.worker
-        failure = await _pump(first.response, out, st.on_openai, self.stall_s)
-        tried = {worker.url}
-        while failure is not None and not failure.client_gone:
+        failure = await _pump(first, out, st.on_openai)
+        failed = {worker.url}
+        while failure is not None and not failure.client_gone and not failure.final:
             log.warning("stream from %s failed mid-way (%s)", worker.url, failure.message)
             self.pool.mark_suspect(worker, failure.message)
             why = self.resumable or st.why_not_continuable()
-            if why == "the answer was complete" or (why is None and st.remaining() == 0):
+            if why == "the answer was complete":
                 failure = self._finish_without_replica()
                 break
             if why is not None or self.num_resumes >= self.max_resumes:
@@ -136,28 +135,39 @@ class Failover:
                 break
             self.num_resumes += 1
             self.counts["resumed"] = self.counts.get("resumed", 0) + 1
-            nxt = await self.reopen(st.resume_body(), tried)
+            failure, worker = await self._continue(out, failed, worker)
+            failed.add(worker.url)
+        if failure is None and self.num_resumes:
+            self._pending += st.closing_events()
+        return await self._end(request, out, worker, failure)
+
+    async def _continue(self, out: web.StreamResponse, failed: set[str], worker: Worker
+                        ) -> tuple[Failure | None, Worker]:
+        """Continue every unfinished choice in turn, each on a replica that has not failed
+        this request; the first failure (and where), or None when all of them ended."""
+        st = self.state
+        for index in st.unfinished():
+            if st.remaining(index) == 0:  # all its tokens were sent: only the finish is lost
+                st.choice(index).finish_reason = "length"
+                await out.write(b"data: " + orjson.dumps(st.chunk("", [], "length", index))
+                                + b"\n\n")
+                continue
+            nxt = await self.reopen(st.resume_body(index), set(failed))
             if nxt is None:
-                failure = Failure(f"{failure.message}; no replica to resume on")
-                break
+                return Failure("no replica to resume on", final=True), worker
             worker = nxt.worker
-            tried.add(worker.url)
             try:
-                failure = await _pump(nxt.response, out, st.on_native, self.stall_s)
+                failure = await _pump(nxt, out, st.on_native)
             finally:
                 worker.in_flight -= 1
                 nxt.response.release()
-            if failure is None:
-                for event in st.closing_events():
-                    await out.write(b"data: " + event + b"\n\n")
-        return await self._end(request, out, worker, failure)
+            if failure is not None:
+                return failure, worker
+        return None, worker
 
     def _finish_without_replica(self) -> Failure | None:
-        """The tokens were all sent (max_tokens reached, or the finish chunk came): only the
-        finish and usage are missing, and the router knows them."""
-        if self.state.finish_reason is None:
-            self.state.finish_reason = "length"
-            self._pending.append(orjson.dumps(self.state.chunk("", [], "length")))
+        """The answer was complete: only the usage and [DONE] are missing, and the router
+        knows them."""
         self._pending += self.state.closing_events()
         return None
 
@@ -173,12 +183,10 @@ class Failover:
                 return out
             if failure.client_gone:
                 return out
-            log.warning("stream ends with an error event: %s", failure.message)
-            self.counts["failed"] = self.counts.get("failed", 0) + 1
-            await out.write(error_event(f"the replica serving this stream failed "
-                                        f"({failure.message})") + DONE)
         except ConnectionResetError:
             return out
-        if request.transport is not None:
-            request.transport.close()  # flushes what was written, then no chunked terminator
+        log.warning("stream ends with an error event: %s", failure.message)
+        self.counts["failed"] = self.counts.get("failed", 0) + 1
+        await write_error_end(request, out, f"the replica serving this stream failed "
+                                            f"({failure.message})")
         return out

@@ -18,6 +18,7 @@ from router.breaker import Breaker
 from router.config import RouterConfig
 from router.fleet.canary import TrafficSplit, session_key, split_point
 from router.fleet.key_limits import FleetLimits
+from router.fleet.redis_limits import RedisCounter
 from router.fleet.response_owners import ResponseOwners
 from router.fleet.sessions import SessionAffinity, SessionOutcome, session_id, stable_hash
 from router.routing.kv_index import PreciseIndex, follow_kv_events
@@ -57,7 +58,9 @@ class Router:
         self.sessions = SessionAffinity(cfg.max_sessions, cfg.session_load_factor)
         self.responses = ResponseOwners(cfg.max_sessions)  # response id -> its replica
         self.stream_counts: dict[str, int] = {"resumed": 0, "failed": 0}  # resume.py
-        self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas)
+        redis = (RedisCounter(cfg.redis_url, slot_ttl_s=2 * cfg.request_timeout_s)
+                 if cfg.redis_url else None)
+        self.limits = (FleetLimits(cfg.api_keys_file, cfg.router_replicas, redis=redis)
                        if cfg.api_keys_file else None)  # raises ConfigError for a bad file
         self.policy: Policy = make_policy(cfg)
         self.index = ApproxPrefixIndex(cfg.index_max_entries)
@@ -112,15 +115,15 @@ class Router:
         if self.precise is None:
             return RouteKey(tuple(approx))
         salts = (salt,) if not salt else (salt, "")  # see route_key's docstring
-        bs = self.cfg.kv_block_size
+        bs, algo = self.cfg.kv_block_size, self.cfg.prefix_caching_hash_algo
         if encoding_chars(prompt) > INLINE_ENCODE_CHARS:
             # A tokenizer run on a long prompt would stall every other request on the loop.
             loop = asyncio.get_running_loop()
             chains = await loop.run_in_executor(
-                None, token_chains, prompt, salts, bs, self.encoder
+                None, token_chains, prompt, salts, bs, self.encoder, algo
             )
         else:
-            chains = token_chains(prompt, salts, bs, self.encoder)
+            chains = token_chains(prompt, salts, bs, self.encoder, algo)
         return RouteKey(tuple(approx), tuple(chains))
 
     def _precise_match(self, key: RouteKey, url: str) -> float | None:
@@ -239,6 +242,8 @@ class Router:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._session = None
+        if self.limits is not None and self.limits.redis is not None:
+            await self.limits.redis.close()
 
     def _follow(self, url: str) -> None:
         if self._session is None or self.precise is None:

@@ -18,6 +18,11 @@ cache_aware rule (defaults: balance_lambda = 0.5):
   the request goes to a lightly loaded worker, which then holds the prefix too: hot prefixes
   replicate to more workers while cold ones keep their affinity.
 
+Load dead band (`balance_abs_threshold`, SGLang's flag of that name): while the candidates'
+loads differ by at most that many requests, they count as equal, so the prefix match alone
+decides and misses go by the tie-break. Each of several routers knows only its own in-flight
+requests: without the band those differences split their choices under concurrency.
+
 Ties (several routers, RouterConfig.router_replicas > 1): `choose(..., tie_key=k)` breaks
 them by rendezvous hashing of (k, url) instead of a per-process rotation, so routers that
 see the same candidates pick the same worker without talking to each other.
@@ -125,9 +130,10 @@ class RandomPolicy:
 class CacheAwarePolicy:
     uses_prefix = True
 
-    def __init__(self, balance_lambda: float = 0.5) -> None:
-        assert balance_lambda >= 0
+    def __init__(self, balance_lambda: float = 0.5, balance_abs_threshold: int = 0) -> None:
+        assert balance_lambda >= 0 and balance_abs_threshold >= 0
         self.balance_lambda = balance_lambda
+        self.balance_abs_threshold = balance_abs_threshold
         self._least = LeastLoadPolicy()
         self._rotor = _Rotor()
 
@@ -138,6 +144,11 @@ class CacheAwarePolicy:
 
     def choose(self, candidates: Sequence[Candidate], tie_key: int | None = None) -> Choice:
         assert candidates, "choose() needs at least one candidate"
+        loads = [c.in_flight for c in candidates]
+        if max(loads) - min(loads) <= self.balance_abs_threshold:
+            # Within the dead band loads count as equal: each router sees only its own
+            # requests, so their small differences must not decide (several routers).
+            candidates = [c._replace(in_flight=0) for c in candidates]
         best_match = max(c.match_ratio for c in candidates)
         if best_match <= 0.0:
             return Choice(self._least.choose(candidates, tie_key).url, ChoiceReason.MISS)
@@ -150,7 +161,7 @@ class CacheAwarePolicy:
 
 def make_policy(cfg: RouterConfig) -> Policy:
     if cfg.policy is PolicyName.CACHE_AWARE:
-        return CacheAwarePolicy(cfg.balance_lambda)
+        return CacheAwarePolicy(cfg.balance_lambda, cfg.balance_abs_threshold)
     if cfg.policy is PolicyName.ROUND_ROBIN:
         return RoundRobinPolicy()
     if cfg.policy is PolicyName.LEAST_LOAD:

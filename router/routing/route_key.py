@@ -12,7 +12,8 @@ Approximate keys (router-internal, never compared with a replica):
     sorted), so turn n+1 of a conversation extends turn n's bytes and matches its blocks.
     A Responses API request (`input` items, `instructions`) is keyed by the chat messages it
     amounts to (radixserve.api.responses), as the replica renders it.
-Precise keys: `block_hashes(token ids, kv_block_size, salt)`, the replica's own chain. A
+Precise keys: `block_hashes(token ids, kv_block_size, salt, algo)`, the replica's own chain
+(xxh64, or vLLM's sha256_cbor: `--prefix-caching-hash-algo`, the replicas' flag). A
 request with a Bearer key gets two chains, salted and unsalted: a replica with auth on salts
 by the key (and holds no unsalted blocks), one with auth off or --shared-cache salts nothing
 (and holds no salted ones), so the better of the two matches is exact either way and the
@@ -31,6 +32,7 @@ import orjson
 
 from radixserve.api.api_keys import cache_salt_for_api_key
 from radixserve.api.responses import input_messages
+from radixserve.kv_events.block_hash import HashAlgo
 from radixserve.kv_events.publisher import block_hashes, chained_hashes
 from radixserve.types import InvalidRequestError
 
@@ -172,7 +174,8 @@ def encoding_chars(prompt: Prompt) -> int:
 
 
 def token_chains(
-    prompt: Prompt, salts: Sequence[str], kv_block_size: int, encoder: PromptEncoder | None
+    prompt: Prompt, salts: Sequence[str], kv_block_size: int, encoder: PromptEncoder | None,
+    algo: HashAlgo = HashAlgo.XXH64,
 ) -> list[tuple[int, ...]]:
     """The replica's block hashes for this prompt under each salt; [] if not tokenizable here.
 
@@ -191,4 +194,4 @@ def token_chains(
         return []
     if ids is None:
         return []
-    return [tuple(block_hashes(ids, kv_block_size, salt)) for salt in salts]
+    return [tuple(block_hashes(ids, kv_block_size, salt, algo)) for salt in salts]

@@ -17,6 +17,7 @@ import yaml
 
 from radixserve.cli import build_parser as serve_parser
 from radixserve.cli import parse_kv_events_config
+from radixserve.kv_events.publisher import DEFAULT_BLOCK_SIZE
 from router.__main__ import build_parser as router_parser
 from tests.repo import REPO_ROOT
 
@@ -248,3 +249,19 @@ def test_dashboard_and_hpa_use_exported_metrics() -> None:
                      rules[0]["name"]["as"].replace("${1}", r"\1"), series.group(0))
     hpa = _one("HorizontalPodAutoscaler", "radixserve")["spec"]["metrics"][0]["pods"]
     assert hpa["metric"]["name"] == renamed == "radixserve_num_requests_waiting"
+
+
+def test_routers_run_in_the_mode_that_makes_several_agree() -> None:
+    """README "Several routers": precise mode with the replicas' tokenizer, ties by hash over
+    as many routers as the Deployment runs, a load dead band (tests/router/test_multi.py
+    measures their agreement with these very flags)."""
+    deployment = _one("Deployment", "radixserve-router")
+    args = _container("radixserve-router")["args"]
+    replica_args = _container("radixserve")["args"]
+    assert "--kv-events" in args and "--enable-kv-events" in replica_args
+    assert _flag_value(args, "--tokenizer") == _flag_value(replica_args, "--model")
+    assert int(_flag_value(args, "--router-replicas")) == deployment["spec"]["replicas"] > 1
+    assert int(_flag_value(args, "--balance-abs-threshold")) > 0
+    block = int(_flag_value(args, "--kv-block-size")) if "--kv-block-size" in args else \
+        router_parser().get_default("kv_block_size")
+    assert block == DEFAULT_BLOCK_SIZE  # the replicas' event blocks

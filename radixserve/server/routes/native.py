@@ -2,7 +2,9 @@
 /version.
 
 Owns: SGLang's native /generate shape (`text`, `output_ids`, `meta_info`; streamed chunks carry
-the cumulative text, as SGLang's do) and the operational endpoints. Does not know: OpenAI's
+the cumulative text, as SGLang's do; `return_logprob` / `top_logprobs_num` add SGLang's
+`output_token_logprobs` [[logprob, id, text]] and `output_top_logprobs`, cumulative too) and
+the operational endpoints. Does not know: OpenAI's
 wire format.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -36,16 +38,27 @@ def package_version() -> str:
 
 
 async def _generate_events(
-    job: ChoiceJob, chunks: AsyncGenerator[ChoiceChunk, None]
+    job: ChoiceJob, chunks: AsyncGenerator[ChoiceChunk, None],
+    token_str: Callable[[int], str],
 ) -> AsyncGenerator[dict[str, Any], None]:
     text, output_ids = "", []
+    chosen: list[list[Any]] = []  # SGLang's output_token_logprobs: [logprob, id, text]
+    tops: list[list[list[Any]] | None] = []  # ... and output_top_logprobs
     async with aclosing(chunks) as stream:
         async for c in stream:
             text += c.text
             output_ids.extend(c.token_ids)
-            meta = {"id": job.rid, "prompt_tokens": len(job.prompt_ids),
-                    "completion_tokens": len(output_ids), "cached_tokens": c.num_cached_tokens,
-                    "finish_reason": None if c.finish_reason is None else {"type": c.finish_reason}}
+            meta: dict[str, Any] = {
+                "id": job.rid, "prompt_tokens": len(job.prompt_ids),
+                "completion_tokens": len(output_ids), "cached_tokens": c.num_cached_tokens,
+                "finish_reason": None if c.finish_reason is None else {"type": c.finish_reason}}
+            if job.params.logprobs is not None:
+                for token_id, lp in zip(c.token_ids, c.logprobs, strict=True):
+                    chosen.append([None if lp is None else lp.token_logprob, token_id,
+                                   token_str(token_id)])
+                    tops.append(None if lp is None else
+                                [[v, t, token_str(t)] for t, v in lp.top])
+                meta["output_token_logprobs"], meta["output_top_logprobs"] = chosen, tops
             yield {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
 
@@ -58,9 +71,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if isinstance(req.prompt, str):
         request[PREVIEW_FIELD] = req.prompt
     (job,) = state.caller_jobs(request, [prompt], req.opts, "text")
+    job = dataclasses.replace(job, num_continued=req.num_continued)
     with state.admit(request, [job]) as ticket:
         chunks = state.outputs([job], arrival, ticket, req.opts.timeout)
-        events = _generate_events(job, chunks)
+        events = _generate_events(job, chunks, state.token_str)
         if req.opts.stream:
             return await write_sse(request, events)
         last: dict[str, Any] = {}

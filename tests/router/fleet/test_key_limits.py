@@ -88,7 +88,7 @@ async def test_max_concurrency_and_tpm(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGHUP)
         limits = c.router_app[ROUTER_KEY].limits
         assert limits is not None
-        await wait_until(lambda: limits._caller(f"Bearer {KEY}")[1].tpm == 100)  # type: ignore[index]
+        await wait_until(lambda: limits._caller(f"Bearer {KEY}")[1].share.tpm == 100)  # type: ignore[index]
         statuses = [(await post(s, c.url, i, max_tokens=40)).status for i in range(4)]
         assert statuses == [200, 200, 429, 429]
 

@@ -20,7 +20,8 @@ from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
 from router.proxy.stream_state import why_not_resumable
 from router.routing.route_key import RequestKind
-from tests.server_proc import running_server
+from tests.router.proxy.smollm2_fleet import smollm2_fleet
+from tests.sse import openai_chunks
 from tests.waiting import wait_until
 
 FAST = RouterConfig(health_interval_s=0.05, health_timeout_s=1.0, retry_backoff_s=0.01)
@@ -52,7 +53,10 @@ def test_what_can_be_resumed_exactly() -> None:
     assert why_not_resumable(RequestKind.COMPLETIONS, plain) is None
     chat = {"messages": [], "tools": [{"type": "function"}], "tool_choice": "none"}
     assert why_not_resumable(RequestKind.CHAT, chat) is None
-    for extra in ({"n": 2}, {"logprobs": 2}, {"echo": True}, {"presence_penalty": 0.5},
+    for extra in ({"n": 3}, {"logprobs": 2}):
+        assert why_not_resumable(RequestKind.COMPLETIONS, {**plain, **extra}) is None
+    assert why_not_resumable(RequestKind.CHAT, {"logprobs": True, "top_logprobs": 2}) is None
+    for extra in ({"echo": True}, {"presence_penalty": 0.5},
                   {"response_format": {"type": "json_object"}}, {"guided_regex": "a+"},
                   {"tools": [{"type": "function"}]}, {"prompt": ["a", "b"]}):
         assert why_not_resumable(RequestKind.COMPLETIONS, {**plain, **extra}) is not None, extra
@@ -124,17 +128,7 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: Collected) ->
     path, body = request_for(i)
     async with s.post(url + path, json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                out.done += 1
-                continue
-            event = orjson.loads(data)
-            if "error" in event:
-                out.errors.append(event)
-                continue
+        async for event in openai_chunks(resp, out):
             out.chunk_ids.add(event["id"])
             out.created.add(event["created"])
             out.usage = event.get("usage") or out.usage
@@ -154,31 +148,17 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: Collected) ->
 @pytest.mark.timeout(900)
 async def test_sigkill_mid_stream_resumes_eight_streams_token_identically(
         tmp_path: Path) -> None:
-    args = ["--kv-cache-tokens", "4096", "--max-model-len", "1024"]
-    with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(running_server("smollm2-135m", tmp_path / f"r{i}.log",
-                                                      args)) for i in range(3)]
-        async with aiohttp.ClientSession() as s:
-            reference = [await collect(s, servers[0].url, i, Collected()) for i in range(8)]
-            cfg = dataclasses.replace(FAST, workers=tuple(x.url for x in servers),
-                                      health_interval_s=0.2)
-            app = create_app(cfg)
-            runner, url = await start_app(app)
-            try:
-                router = app[ROUTER_KEY]
-                live = [Collected() for _ in range(8)]
-                tasks = [asyncio.create_task(collect(s, url, i, live[i])) for i in range(8)]
-                await wait_until(lambda: all(c.num_chunks >= 6 for c in live), timeout=300,
-                                 what="every stream mid-way")
-                victim = max(router.pool.all(), key=lambda w: w.in_flight)
-                assert victim.in_flight >= 1 and all(not c.finish for c in live)
-                proc = next(x for x in servers if x.url == victim.url).proc
-                proc.kill()
-                got = await asyncio.gather(*tasks)
-                assert router.stream_counts["resumed"] == victim.num_errors >= 1
-                assert router.stream_counts["failed"] == 0
-            finally:
-                await runner.cleanup()
+    async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
+        reference = [await collect(s, f.servers[0].url, i, Collected()) for i in range(8)]
+        live = [Collected() for _ in range(8)]
+        tasks = [asyncio.create_task(collect(s, f.url, i, live[i])) for i in range(8)]
+        await wait_until(lambda: all(c.num_chunks >= 6 for c in live), timeout=300,
+                         what="every stream mid-way")
+        assert all(not c.finish for c in live)
+        victim = f.kill_busiest()
+        got = await asyncio.gather(*tasks)
+        assert f.router.stream_counts["resumed"] == victim.num_errors >= 1
+        assert f.router.stream_counts["failed"] == 0
     for i, (want, have) in enumerate(zip(reference, got, strict=True)):
         assert have.errors == [] and have.done == 1, (i, have.errors)
         assert have.text == want.text, (i, have.text, want.text)
@@ -242,25 +222,31 @@ class Breaking:
         return resp
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("resume_status", [200, 500])
-async def test_resume_continues_the_stream_or_ends_it_with_an_error(resume_status: int) -> None:
-    fakes = [Breaking(3, resume_status) for _ in range(2)]
+async def through_fakes(fakes: list[Breaking], body: dict[str, Any]) -> list[bytes]:
+    """`body` streamed through a router in front of `fakes`: what the client receives."""
     started = [await start_app(f.app) for f in fakes]
     cfg = dataclasses.replace(FAST, workers=tuple(u for _, u in started), health_interval_s=5.0)
     runner, url = await start_app(create_app(cfg))
-    body = {"prompt": "x", "stream": True, "max_tokens": 5, "temperature": 0, "seed": 9,
-            "stream_options": {"include_usage": True}}
     try:
         async with aiohttp.ClientSession() as s:
-            payloads = await raw_events(s, url, body)
+            return await raw_events(s, url, body)
     finally:
         await runner.cleanup()
         for r, _ in started:
             await r.cleanup()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("resume_status", [200, 500])
+async def test_resume_continues_the_stream_or_ends_it_with_an_error(resume_status: int) -> None:
+    fakes = [Breaking(3, resume_status) for _ in range(2)]
+    body = {"prompt": "x", "stream": True, "max_tokens": 5, "temperature": 0, "seed": 9,
+            "stream_options": {"include_usage": True}}
+    payloads = await through_fakes(fakes, body)
     resumed = [r for f in fakes for r in f.resumes]
     assert len(resumed) == 1  # --max-resumes 1: one try
     assert resumed[0] == {"input_ids": [1, 2, 3, 100, 101, 102], "stream": True,
+                          "continue_output_tokens": 3,
                           "sampling_params": {"temperature": 0, "seed": 9, "max_new_tokens": 2}}
     events = [orjson.loads(p) for p in payloads[:-1]]
     assert payloads[-1] == b"[DONE]"
