@@ -1,4 +1,4 @@
-"""How a request becomes its choices, and their streams one stream.
+"""A request as its choices (ChoiceJobs, under the caps), and their streams merged into one.
 
 The prompt, context and max_tokens checks under the server's and the caller's caps,
 resolving max_tokens, prompts x n ChoiceJobs with their seeds, and merging the n choices'

@@ -1,5 +1,6 @@
-"""A fake replica for the router's tests and benchmark: the HTTP surface of `radixserve serve`
-over a simulated prefix cache, with no model.
+"""A fake replica for the router's tests and benchmark: `radixserve serve` without a model.
+
+The HTTP surface of `radixserve serve` over a simulated prefix cache.
 
 Owns: the simulation. Prefill is serialized per replica (one accelerator) and costs
 `prefill_s_per_token` per UNCACHED prompt token; decode streams `max_tokens` tokens

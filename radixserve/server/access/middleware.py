@@ -1,5 +1,7 @@
-"""The access middleware: Bearer auth on every route but the public ones, and OpenAI's
-x-ratelimit-* headers on every response to a rate-limited key.
+"""The access middleware: Bearer auth, and OpenAI's x-ratelimit-* headers.
+
+Bearer auth on every route but the public ones, and the x-ratelimit-* headers on every
+response to a rate-limited key.
 
 Owns: which paths are public (/health, /metrics, /version) and where a request's Caller is
 set (CALLER_FIELD). Does not know: how a key is verified (auth.py), the buckets
