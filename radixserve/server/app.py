@@ -21,7 +21,12 @@ from radixserve.ipc.client import EngineClient
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.zmq_stream import zmq_lifecycle
 from radixserve.server.access.body import BODY_TIMEOUT_KEY
-from radixserve.server.access.middleware import auth_middleware, rate_limit_headers
+from radixserve.server.access.middleware import (
+    AUTH_KEY,
+    RATE_LIMITER_KEY,
+    auth_middleware,
+    rate_limit_headers,
+)
 from radixserve.server.access.send import SEND_TIMEOUT_KEY, bounded_send
 from radixserve.server.app_state import STATE_KEY, ServerState
 from radixserve.server.error_responses import APIError, error_response, to_api_error
@@ -92,6 +97,8 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
                           middlewares=[bounded_send, error_middleware, auth_middleware])
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
+    app[AUTH_KEY] = state.auth
+    app[RATE_LIMITER_KEY] = state.admission.rate
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout
     app[SEND_TIMEOUT_KEY] = cfg.send_timeout
     app.on_response_prepare.append(rate_limit_headers)

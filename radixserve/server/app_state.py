@@ -3,7 +3,7 @@
 Owns: readiness (and draining: the one "shutting down" 503), loading the model's facts from
 the engine, the model-name check, the caps requests are sized under (the sizing itself,
 prompts x n into ChoiceJobs: radixserve/api/jobs.py), admission with per-key accounting, the
-request deadline, the opt-in request log line, and the request keys (STATE_KEY, CALLER_FIELD,
+request deadline, the opt-in request log line, and the request keys (STATE_KEY,
 PREVIEW_FIELD). Tokenization is server/prompts.py's. Does not know: OpenAI's wire format.
 """
 
@@ -34,6 +34,7 @@ from radixserve.server.access.auth import ANONYMOUS_CALLER, ApiKeys, Caller
 from radixserve.server.access.body import read_json as read_json  # re-exported for routes
 from radixserve.server.access.deadline import deadline_at, timeout_error
 from radixserve.server.access.limits import Admission, Ticket
+from radixserve.server.access.middleware import CALLER_FIELD
 from radixserve.server.choice_stream import ChoiceChunk, stream_choice
 from radixserve.server.error_responses import APIError
 from radixserve.server.metrics import ServerMetrics
@@ -239,8 +240,6 @@ class ServerState:
 
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("radixserve_state", ServerState)
-# The caller, set on each request by the auth middleware.
-CALLER_FIELD: web.RequestKey[Caller] = web.RequestKey("radixserve_caller", Caller)
 # The prompt's text (or its first characters), kept for --log-requests' preview only.
 PREVIEW_FIELD: web.RequestKey[str] = web.RequestKey("radixserve_prompt_preview", str)
 
