@@ -22,8 +22,8 @@ from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.zmq_stream import zmq_lifecycle
 from radixserve.server.access.body import BODY_TIMEOUT_KEY
 from radixserve.server.access.middleware import (
+    ADMISSION_KEY,
     AUTH_KEY,
-    RATE_LIMITER_KEY,
     auth_middleware,
     rate_limit_headers,
 )
@@ -98,7 +98,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
     app[AUTH_KEY] = state.auth
-    app[RATE_LIMITER_KEY] = state.admission.rate
+    app[ADMISSION_KEY] = state.admission
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout
     app[SEND_TIMEOUT_KEY] = cfg.send_timeout
     app.on_response_prepare.append(rate_limit_headers)

@@ -4,7 +4,7 @@ Bearer auth on every route but the public ones, and the x-ratelimit-* headers on
 response to a rate-limited key.
 
 Owns: which paths are public (/health, /metrics, /version), where a request's Caller is set
-(CALLER_FIELD), and the app keys it reads (AUTH_KEY, RATE_LIMITER_KEY; create_app sets them).
+(CALLER_FIELD), and the app keys it reads (AUTH_KEY, ADMISSION_KEY; create_app sets them).
 Does not know: how a key is verified (auth.py), the buckets (radixserve/api/ratelimit.py),
 routes, the server state (it imports nothing of the server outside access/).
 """
@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from radixserve.api.ratelimit import RateLimiter
 from radixserve.server.access.auth import ApiKeys, Caller
+from radixserve.server.access.limits import Admission
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 AUTH_KEY: web.AppKey[ApiKeys] = web.AppKey("radixserve_auth", ApiKeys)
-RATE_LIMITER_KEY: web.AppKey[RateLimiter] = web.AppKey("radixserve_rate_limiter", RateLimiter)
+ADMISSION_KEY: web.AppKey[Admission] = web.AppKey("radixserve_admission", Admission)
 # The caller, set on each request by the auth middleware.
 CALLER_FIELD: web.RequestKey[Caller] = web.RequestKey("radixserve_caller", Caller)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -39,5 +39,5 @@ async def rate_limit_headers(request: web.Request, response: web.StreamResponse)
     caller = request.get(CALLER_FIELD)
     if caller is None or (caller.limits.rpm is None and caller.limits.tpm is None):
         return
-    rate = request.app[RATE_LIMITER_KEY]
+    rate = request.app[ADMISSION_KEY].rate
     response.headers.update(rate.headers(caller.name, caller.limits))
