@@ -1,4 +1,6 @@
-"""Cache and traffic control, measured through the engine (offline, side by side in one run):
+"""Cache and traffic control, measured through the engine, offline and side by side.
+
+In one run:
 
   scan      hot-prefix hit rate and throughput, --eviction-policy lru vs slru, on a trace of a
             few hot system prompts (each asked by two users a round) interleaved with one-off

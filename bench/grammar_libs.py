@@ -1,4 +1,6 @@
-"""llguidance vs xgrammar on this machine, with the model's tokenizer: cold compile time per
+"""llguidance vs xgrammar on this machine: compile and bitmask-fill times.
+
+With the model's tokenizer: cold compile time per
 JSON schema and bitmask fill time per decode step per sequence (median over the steps of
 decoding each schema's example instance). xgrammar is optional (not a dependency).
 

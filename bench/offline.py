@@ -1,5 +1,6 @@
-"""Offline throughput: radixserve's LLM.generate against HF transformers' generate, and the
-radix cache on vs off on a shared-prefix workload. Side by side in one run; ratios printed.
+"""Offline throughput: LLM.generate against HF's generate, and the radix cache on vs off.
+
+The cache on vs off on a shared-prefix workload. Side by side in one run; ratios printed.
 
     python -m bench.offline                      # all sections, default model
     python -m bench.offline --section shared --runs 3

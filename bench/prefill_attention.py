@@ -1,4 +1,6 @@
-"""Prefill attention of long extends: the torch path (varlen.py's query chunks over torch's CPU
+"""Prefill attention of long extends: the torch path vs the native causal kernel.
+
+The torch path (varlen.py's query chunks over torch's CPU
 flash kernel) vs the native causal kernel (csrc/prefill_attention.cpp), side by side.
 
 One prefill forward's attention through every layer (the store of the new K/V included), as

@@ -1,9 +1,11 @@
-"""Matmul kernels for SmolLM2-135M's linear shapes: fp32 and bf16 (plain and oneDNN-prepacked),
+"""Matmul kernels for SmolLM2-135M's linear shapes, timed: why quant.py chooses as it does.
+
+fp32 and bf16 (plain and oneDNN-prepacked),
 int8 weight-only (`_weight_int8pack_mm`, fp32 or bf16 activations), int8 x int8 (`_int_mm`
 with per-row dynamic activation quantization: faster on VNNI, but not what the engine runs,
 since it costs agreement with fp32), the project's native weight-only int8 GEMM
-(model/int8_kernel.py on its packed weight, fp32 activations; column w8native). Why model/quant.py and
-model/auto_dtype.py choose what they choose.
+(model/int8_kernel.py on its packed weight, fp32 activations; column w8native). Why
+model/quant.py and model/auto_dtype.py choose what they choose.
 
     python -m bench.quant_kernels                    # 1 thread, rows 1,32,2048, 30 layers
     python -m bench.quant_kernels --rows 1,2,4,8 --layers 8

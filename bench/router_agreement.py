@@ -32,7 +32,7 @@ from radixserve.testing.fake_replica import (
 )
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
-from router.routing.core import Router
+from router.core import Router
 from router.routing.route_key import RequestKind
 
 

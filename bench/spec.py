@@ -1,4 +1,6 @@
-"""Speculative decoding on vs off, side by side in one run: output tok/s (median of N runs),
+"""Speculative decoding on vs off, side by side in one run: speed and identical outputs.
+
+Output tok/s (median of N runs),
 the on/off ratio, the mean accepted length, and whether the greedy outputs are the same.
 
 Owns: the cases (extractive RAG at several batch sizes, a code edit with `prediction`, agent

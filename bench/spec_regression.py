@@ -1,5 +1,6 @@
-"""Speculation's cost where it cannot pay: the random workload (independent prompts, nothing
-repeats) offline, speculation off vs on, output tokens per second, median of rounds.
+"""Speculation's cost where it cannot pay: the random workload, speculation off vs on.
+
+Independent prompts, nothing repeats; offline, output tokens per second, median of rounds.
 
 Owns: this measurement only (the speedup benchmarks are bench/spec.py). Each round draws
 fresh prompts (a new seed), so no round drafts from an earlier round's outputs; the off and

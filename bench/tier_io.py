@@ -1,5 +1,7 @@
-"""Load vs recompute: the per-token time to load KV from the local tier (radixserve/cache/tiers
-BlockStore) against the per-token prefill time of the same model, side by side in one run.
+"""Load vs recompute: per-token KV load time from the local tier against prefill time.
+
+The per-token time to load KV from the local tier (radixserve/cache/tiers BlockStore)
+against the per-token prefill time of the same model, side by side in one run.
 
     python -m bench.tier_io                          # SmolLM2-135M, fp32 (this CPU has no bf16)
     python -m bench.tier_io --dtype bfloat16 --tokens 4096 --dir /var/tmp

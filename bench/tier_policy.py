@@ -1,4 +1,6 @@
-"""The local tier's write policy, offline: write-back (demote on eviction) against
+"""The local tier's write policy, offline: write-back against write-through.
+
+Write-back (demote on eviction) against
 write-through (write every block when it enters the tree), with the tier off as the baseline,
 side by side on one agent-session trace whose contexts outgrow the pool.
 

@@ -1,4 +1,6 @@
-"""Tiered prefix cache, end to end: the same trace served with the tier off, on, and by an
+"""Tiered prefix cache, end to end: tier off, on, and an infinite pool, side by side.
+
+The same trace served with the tier off, on, and by an
 infinite pool; TTFT, output throughput and hit rate side by side (issue 21's must-show).
 
     python -m bench.tiers                                   # agent sessions, issue scale

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from radixserve.kv_events.block_hash import HashAlgo
+from radixserve.config.kv_events_config import HashAlgo
 from router.config import ConfigError, PolicyName, RouterConfig
 from router.discovery.discovery_config import add_discovery_args, discovery_from_args
 from router.fleet.canary import parse_worker_flags

@@ -26,13 +26,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from router.config import ConfigError, RouterConfig, normalize_worker_url
+from router.core import Router
 from router.discovery import DiscoveryConfig, attach_discovery
 from router.fleet.canary import SplitUpdateError
 from router.fleet.response_owners import stored_response
 from router.metrics import make_registry
 from router.proxy.forward import no_worker_response, proxy
 from router.proxy.relay import error_response
-from router.routing.core import Router
 from router.routing.route_key import PromptEncoder, RequestKind, load_prompt_encoder
 from router.workers import UnknownWorkerError, WorkerExistsError, health_loop
 

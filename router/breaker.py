@@ -26,12 +26,9 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
-
-if TYPE_CHECKING:  # workers.py owns the pool that calls this module
-    from router.workers import Worker
 
 DRAINING_CODE = "draining"  # the replica's 503 code while it shuts down (server/state.py)
 
@@ -43,12 +40,23 @@ class WorkerState(str, enum.Enum):
     DOWN = "down"
 
 
+class BreakerFields(Protocol):
+    """What the breaker reads and moves on a worker: workers.Worker's fields (workers.py
+    imports this module, never the other way round)."""
+
+    healthy: bool
+    suspect: bool  # the open breaker
+    half_open: bool
+    trips: int
+    open_until: float
+
+
 # radixserve_router:worker_state's value per state (a gauge: 0 is the healthy one).
 STATE_VALUE = {WorkerState.CLOSED: 0, WorkerState.HALF_OPEN: 1, WorkerState.OPEN: 2,
                WorkerState.DOWN: 3}
 
 
-def state_of(worker: Worker) -> WorkerState:
+def state_of(worker: BreakerFields) -> WorkerState:
     if not worker.healthy:
         return WorkerState.DOWN
     if worker.suspect:
@@ -81,7 +89,7 @@ class Breaker:
         self.max_cooldown_s = max_cooldown_s
         self._clock = clock
 
-    def trip(self, worker: Worker) -> None:
+    def trip(self, worker: BreakerFields) -> None:
         """A fault: open (again), for a cool-down that doubles with consecutive trips."""
         worker.trips += 1
         worker.suspect = True
@@ -89,13 +97,13 @@ class Breaker:
         cooldown = min(self.max_cooldown_s, self.cooldown_s * 2 ** (worker.trips - 1))
         worker.open_until = self._clock() + cooldown
 
-    def probe_ok(self, worker: Worker) -> None:
+    def probe_ok(self, worker: BreakerFields) -> None:
         """A health probe succeeded: an open breaker past its cool-down turns half-open."""
         if worker.suspect and self._clock() >= worker.open_until:
             worker.suspect = False
             worker.half_open = True
 
-    def success(self, worker: Worker) -> None:
+    def success(self, worker: BreakerFields) -> None:
         """A request succeeded (the whole answer relayed): closes a half-open breaker."""
         if worker.half_open and not worker.suspect:
             worker.half_open = False

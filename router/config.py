@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from radixserve.kv_events.block_hash import HashAlgo
+from radixserve.config.kv_events_config import HashAlgo
 
 
 class ConfigError(ValueError):

@@ -13,8 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from router.breaker import STATE_VALUE, state_of
+from router.core import Router
 from router.fleet.sessions import SessionOutcome
-from router.routing.core import Router
 
 PREFIX = "radixserve_router:"
 

@@ -1,5 +1,7 @@
-"""The benchmark's HTTP side: request/run types, sending one streamed request, arrivals,
-multi-turn conversations, warm-up and /metrics scraping.
+"""The benchmark's HTTP side: request types, streamed sends, arrivals, conversations.
+
+Request/run types, sending one streamed request, arrivals, multi-turn conversations, warm-up
+and /metrics scraping.
 
 Owns: the wire (aiohttp, SSE with `stream_options.include_usage`) and the arrival process
 (all at once, Poisson / gamma with burstiness, a concurrency cap). Does not know: the CLI

@@ -1,5 +1,7 @@
-"""Ten JSON schemas (with one valid instance each) for the constrained-decoding benchmark and
-tests: nested objects, arrays, enums, bounded integers, required keys, patterned strings."""
+"""Ten JSON schemas, each with one valid instance, for the constrained-decoding bench.
+
+Also for tests: nested objects, arrays, enums, bounded integers, required keys, patterned
+strings."""
 
 from __future__ import annotations
 

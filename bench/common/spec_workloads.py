@@ -1,5 +1,7 @@
-"""The request sets of bench.spec: extractive RAG, a code edit with a predicted output, and
-agent tool calls, as chat-completions bodies.
+"""The request sets of bench.spec: RAG, a code edit with a prediction, agent tool calls.
+
+Extractive RAG, a code edit with a predicted output, and agent tool calls, as
+chat-completions bodies.
 
 Owns: the prompts (chosen so that SmolLM2-135M-Instruct really quotes its context: its answers
 to the RAG set copy whole sentences of the document), the tools of the tool-call set, and how

@@ -1,5 +1,6 @@
-"""The OpenAI and native protocol, free of HTTP and of torch: what a request may say and what
-it becomes.
+"""The OpenAI and native protocol: what a request may say and what it becomes.
+
+Free of HTTP and of torch.
 
 Owns: parsing and validating request bodies (protocol.py, responses.py, fields.py,
 chat_messages.py), output constraints (constraints/), tools (tools/), the length/range/seed

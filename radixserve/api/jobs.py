@@ -1,9 +1,11 @@
-"""How a request becomes its choices: the prompt, context and max_tokens checks under the
-server's and the caller's caps, resolving max_tokens, prompts x n ChoiceJobs with their seeds,
-and merging the n choices' streams into one.
+"""A request as its choices (ChoiceJobs, under the caps), and their streams merged into one.
+
+The prompt, context and max_tokens checks under the server's and the caller's caps,
+resolving max_tokens, prompts x n ChoiceJobs with their seeds, and merging the n choices'
+streams into one.
 
 Owns: ChoiceJob (what one choice asks the engine for), JobCaps (the bounds a request is
-checked against), make_jobs, and merge_streams. Pure decisions over a parsed request.
+checked against), make_jobs, and MergedStreams. Pure decisions over a parsed request.
 Does not know: tokenization, admission and per-key accounting, detokenizing a choice
 (server/choice_stream.py), the engine, HTTP, OpenAI's wire format. Errors are APIError 400s
 naming the offending parameter.
@@ -17,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from radixserve.api.api_keys import KeyLimits
 from radixserve.api.errors import APIError
@@ -113,40 +115,50 @@ def tightest(*limits: Any) -> Any:
     return min(given) if given else None
 
 
-async def merge_streams(
-    streams: list[AsyncGenerator[T, None]],
-) -> AsyncGenerator[T, None]:
-    """Interleave several streams as items arrive; closing the merge closes every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield item
-        return
-    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-    done = object()
+class MergedStreams(Generic[T]):
+    """Several streams read as one, items in arrival order: `await next()` gives the next item
+    (StopAsyncIteration when every stream ended) and `aclose()` closes every stream.
 
-    async def pump(stream: AsyncGenerator[T, None]) -> None:
+    NOTE: deliberately not an async generator: the request's one outputs generator
+    (server/app_state.py) awaits next() itself, so merging adds no generator to the path a
+    token takes. One stream is read in place; several are pumped by tasks into a queue."""
+
+    def __init__(self, streams: list[AsyncGenerator[T, None]]) -> None:
+        self._streams = streams
+        self._queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        if len(streams) > 1:
+            self._tasks = [asyncio.create_task(self._pump(s)) for s in streams]
+        self._remaining = len(self._tasks)
+
+    async def next(self) -> T:
+        if len(self._streams) == 1:
+            return await anext(self._streams[0])
+        while self._remaining:
+            item, err = await self._queue.get()
+            if err is not None:
+                raise err
+            if item is not _DONE:
+                return item  # type: ignore[no-any-return]
+            self._remaining -= 1
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if len(self._streams) == 1:
+            await self._streams[0].aclose()
+
+    async def _pump(self, stream: AsyncGenerator[T, None]) -> None:
         try:
             async with aclosing(stream) as items:
                 async for item in items:
-                    queue.put_nowait((item, None))
+                    self._queue.put_nowait((item, None))
         except Exception as err:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((done, err))
+            self._queue.put_nowait((_DONE, err))
             return
-        queue.put_nowait((done, None))
+        self._queue.put_nowait((_DONE, None))
 
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item, err = await queue.get()
-            if err is not None:
-                raise err
-            if item is done:
-                remaining -= 1
-                continue
-            yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+
+_DONE = object()  # a pump's end marker in the queue

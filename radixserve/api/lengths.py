@@ -1,6 +1,7 @@
-"""The length, range and seed rules every entry point applies to a request: the HTTP server,
-the scheduler (radixserve/sched/request_rules.py) and the offline LLM call these, so each
-rule is written once.
+"""The length, range and seed rules every entry point applies to a request.
+
+The HTTP server, the scheduler (radixserve/sched/request_rules.py) and the offline LLM call
+these, so each rule is written once.
 
 Owns: the context-length messages, the test that token ids index the vocabulary (with the
 server's wording and the engine's), and the seed of choice i of a seeded request (seed + i,

@@ -1,5 +1,6 @@
-"""Reference attention backend in plain torch (CPU and CUDA), with cascade attention over
-shared tree prefixes.
+"""Reference attention backend in plain torch (CPU and CUDA), cascading over shared prefixes.
+
+Cascade attention: the keys of a tree prefix that several requests share are attended once.
 
 Owns: storing new K/V into the pool and attention through the slot table.
 Each request's keys are split in two parts, merged by log-sum-exp:

@@ -1,5 +1,4 @@
-"""Which unlocked leaf the radix cache evicts next: LRU or segmented LRU, priority-aware, and
-per tenant (salt).
+"""Which unlocked leaf the radix cache evicts next: (segmented) LRU, by priority and tenant.
 
 Owns: the set of evictable leaves and the lazy heaps that order them. Does not know: the
 tree's shape, locks or sizes (radix_cache.py tells it when a leaf becomes or stops being

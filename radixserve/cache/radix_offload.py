@@ -1,6 +1,8 @@
-"""The tree's side of the tiers below the pool (cache/tiers/kv_tiers.py): offloading an evicted node
-(it stays in the tree with its tier and block keys), dropping offloaded nodes, and forgetting
-blocks the tiers no longer hold.
+"""The tree's side of the tiers below the pool: offloaded nodes and their block keys.
+
+Offloading an evicted node (it stays in the tree with its tier and block keys; the tiers
+themselves are cache/tiers/kv_tiers.py's), dropping offloaded nodes, and forgetting blocks
+the tiers no longer hold.
 
 Owns no state: Offloading is a base class of RadixCache, the half of its methods that moves
 nodes between the pool and the tiers. Every attribute it uses is declared below and created by

@@ -1,5 +1,6 @@
-"""Value types of the radix cache: token sequences as nodes hold them, tree nodes,
-match/insert results and cache events.
+"""Value types of the radix cache: nodes, token sequences, results, events, the Tier enum.
+
+Token sequences as nodes hold them, tree nodes, match/insert results and cache events.
 
 Owns: their fields and meaning, and the conversion of token ids or slots into a node's
 array('i') (to_array). Does not know: how the tree is searched or evicted (radix_cache.py,

@@ -1,5 +1,7 @@
-"""Pure helpers over the radix tree's nodes: page-keyed child lookup, span comparison, the
-descent that matches (and splits) a query, path concatenation and node iteration.
+"""Pure helpers over the radix tree's nodes: lookup, comparison, descent, iteration.
+
+Page-keyed child lookup, span comparison, the descent that matches (and splits) a query,
+path concatenation and node iteration.
 
 Owns: no state; every function works on the nodes and the page size it is given. It may
 change the tree's shape (split a node, touch last_access on a path) but never a count that

@@ -1,5 +1,6 @@
-"""EngineConfig: the engine process's settings (model, dtype, pool, scheduling, tiers,
-speculation), frozen and validated once at the edge.
+"""EngineConfig: the engine process's settings, frozen and validated once at the edge.
+
+Model, dtype, pool, scheduling, tiers, speculation.
 
 Owns: validation of the engine's flags. Does not know: argparse (cli.py builds it), the
 model's own config.json (model/arch.py reads it).

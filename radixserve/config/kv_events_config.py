@@ -5,12 +5,20 @@ Owns: the ZMQ publisher's settings. Does not know: the publisher (kv_events/zmq_
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 
 from radixserve.config.parsing import ConfigError, json_object_from
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+class HashAlgo(str, enum.Enum):
+    """--prefix-caching-hash-algo: how both KV event streams hash a block (kv_events/)."""
+
+    XXH64 = "xxh64"  # radixserve's own chain (publisher.py's docstring)
+    SHA256_CBOR = "sha256_cbor"  # vLLM's cross-language scheme
 
 
 @dataclass(frozen=True)

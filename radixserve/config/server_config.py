@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.config.engine_config import EngineConfig
-from radixserve.config.kv_events_config import KVEventsConfig
+from radixserve.config.kv_events_config import HashAlgo, KVEventsConfig
 from radixserve.config.parsing import ConfigError
-from radixserve.kv_events.block_hash import HashAlgo
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: also export these engines' metric names

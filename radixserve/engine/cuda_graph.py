@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from radixserve.attention.base import AttentionMetadata
     from radixserve.cache.kv_pool import KVPool
     from radixserve.config import EngineConfig
-    from radixserve.engine.model_runner import StepInputs
+    from radixserve.engine.step_inputs import StepInputs
     from radixserve.model.llama import LlamaModel
     from radixserve.sched.req import Batch
 

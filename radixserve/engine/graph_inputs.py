@@ -29,7 +29,7 @@ from radixserve.attention.base import AttentionMetadata
 from radixserve.types import Phase
 
 if TYPE_CHECKING:
-    from radixserve.engine.model_runner import StepInputs
+    from radixserve.engine.step_inputs import StepInputs
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 8  # past 8, a bucket every 8 requests

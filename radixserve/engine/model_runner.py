@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.sampler import Sampler, SampleResult
+from radixserve.engine.step_inputs import StepInputs
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
@@ -96,14 +96,6 @@ def find_shared_prefixes(reqs: list[Req]) -> list[tuple[list[int], int]]:
         if length >= MIN_SHARED_PREFIX:
             groups.append((members, length))
     return groups
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor  # (N,)
 
 
 class ModelRunner:

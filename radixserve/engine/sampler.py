@@ -1,5 +1,6 @@
-"""Turning logits into token ids: logit bias, penalties, temperature, top-k/p, min-p, seeds,
-logprobs.
+"""Turning logits into token ids: bias, penalties, temperature, top-k/p, min-p, seeds.
+
+And the logprobs a request asks for.
 
 Owns: the sampling math, vectorized over the batch (per-request Python work only for the
 requests that ask for penalties or a seed). Does not know: the model, the KV cache.

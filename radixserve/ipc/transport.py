@@ -1,5 +1,6 @@
-"""How messages reach the engine loop and come back: the Transport contract and the engine in
-its own spawned process (ProcessTransport).
+"""How messages reach the engine loop and come back: the Transport and the engine process.
+
+The Transport contract, and the engine in its own spawned process (ProcessTransport).
 
 Owns: the engine process's lifetime (spawn, shutdown, terminate) and the two pipe threads.
 Does not know: what the messages mean (client.py), the engine itself: the child imports

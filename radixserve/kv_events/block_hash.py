@@ -21,18 +21,12 @@ index and our tiers see the 64-bit wire form, as vLLM's int-hash events do.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Sequence
 
 import cbor2
 
 NONE_HASH_SEED = "vllm-none-hash"
-
-
-class HashAlgo(str, enum.Enum):
-    XXH64 = "xxh64"  # radixserve's own chain (publisher.py's docstring)
-    SHA256_CBOR = "sha256_cbor"  # vLLM's cross-language scheme
 
 
 def sha256_cbor(value: object) -> bytes:

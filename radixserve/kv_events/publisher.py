@@ -47,7 +47,8 @@ import numpy as np
 import orjson
 import xxhash
 
-from radixserve.kv_events.block_hash import HashAlgo, sha256_cbor_hashes
+from radixserve.config.kv_events_config import HashAlgo
+from radixserve.kv_events.block_hash import sha256_cbor_hashes
 
 DEFAULT_BLOCK_SIZE = 16
 _HASH_SEED = 0

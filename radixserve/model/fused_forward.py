@@ -28,7 +28,8 @@ cos/sin lookups). All graph-safe: no host sync, no allocation whose size depends
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +40,26 @@ from triton_kernels.rope import rope_qk_store
 from triton_kernels.silu_mul import silu_mul
 
 if TYPE_CHECKING:
-    from radixserve.model.llama import LlamaModel
+    from radixserve.model.arch import ModelArch
+    from radixserve.model.rope import RotaryTable
+
+
+class FusedModel(Protocol):
+    """What the fused loop reads of llama.py's LlamaModel (a Protocol, so that this module
+    and llama.py, which imports it lazily, form no import cycle)."""
+
+    spec: ModelArch
+    layers: Sequence[Any]  # llama.py's _Layer: norms, qkv, o_proj, mlp
+    rotary: RotaryTable
+    embed: torch.Tensor  # (vocab, hidden)
+    final_norm: torch.Tensor  # (hidden,)
+    lm_head: Any  # Linear | Int8Linear: (N, hidden) -> (N, vocab)
+    q_size: int
+    scale: float
 
 
 def fused_forward(
-    model: LlamaModel,
+    model: FusedModel,
     backend: StoredKVAttention,
     input_ids: torch.Tensor,  # (T,)
     positions: torch.Tensor,  # (T,)
@@ -71,4 +87,5 @@ def fused_forward(
         fused_add_rmsnorm(x, residual, next_norm, eps)
     if logit_rows.shape[0] != x.shape[0]:
         x = x.index_select(0, logit_rows)  # (N, hidden): only the rows that sample
-    return model.lm_head(x).float()  # (N, vocab)
+    logits: torch.Tensor = model.lm_head(x)  # (N, vocab)
+    return logits.float()

@@ -1,5 +1,4 @@
-"""The native weight-only int8 GEMM for CPU: its weight layout, building and loading it, and
-its reference.
+"""The native weight-only int8 GEMM for CPU: weight layout, build, load, reference.
 
 Owns: the packed weight layout the kernel reads (`pack_int8_weight` / `unpack_int8_weight`),
 compiling csrc/int8_packed_gemm.cpp with torch's C++ extension loader (as the attention kernel

@@ -1,4 +1,6 @@
-"""Scheduling: requests and batches (req.py), the scheduler (their only mutator), its batch
+"""Scheduling: requests and batches, the scheduler (their only mutator) and its helpers.
+
+Requests and batches (req.py), the scheduler, its batch
 planner (which requests one step runs), its memory manager (pages between the allocator, the
 radix tree and requests; free slot-table rows), its ordering policy and pinned prefixes.
 Engine-process side; pure Python over token ids, slot numbers and row numbers, no tensors

@@ -1,5 +1,6 @@
-"""Ordering of the waiting queue: longest-prefix-match with an age guard, or FCFS; and the
-in-batch sharing test.
+"""Ordering of the waiting queue: longest-prefix-match with an age guard, or FCFS.
+
+And the in-batch sharing test.
 
 Owns: pure decisions over requests and match lengths. Does not know: pages, tensors.
 """

@@ -1,5 +1,7 @@
-"""Per-request rules the scheduler applies: what a new request may ask for (its resolved
-max_new_tokens) and whether a sampled token ends it (stop_reason).
+"""Per-request rules the scheduler applies: its max_new_tokens, and which token ends it.
+
+What a new request may ask for (its resolved max_new_tokens) and whether a sampled token ends
+it (stop_reason).
 
 Owns: pure decisions over one request (the stop test also advances the request's grammar
 matcher, which the scheduler owns through the Req). The length and range rules themselves are

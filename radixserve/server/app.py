@@ -17,12 +17,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from radixserve.config import ServerConfig
+from radixserve.config.kv_events_config import HashAlgo
 from radixserve.ipc.client import EngineClient
-from radixserve.kv_events.block_hash import HashAlgo
 from radixserve.kv_events.publisher import KVEventPublisher
 from radixserve.kv_events.zmq_stream import zmq_lifecycle
 from radixserve.server.access.body import BODY_TIMEOUT_KEY
-from radixserve.server.access.middleware import auth_middleware, rate_limit_headers
+from radixserve.server.access.middleware import (
+    ADMISSION_KEY,
+    AUTH_KEY,
+    auth_middleware,
+    rate_limit_headers,
+)
 from radixserve.server.access.send import SEND_TIMEOUT_KEY, bounded_send
 from radixserve.server.app_state import STATE_KEY, ServerState
 from radixserve.server.error_responses import APIError, error_response, to_api_error
@@ -93,6 +98,8 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
                           middlewares=[bounded_send, error_middleware, auth_middleware])
     state = ServerState(cfg, client)
     app[STATE_KEY] = state
+    app[AUTH_KEY] = state.auth
+    app[ADMISSION_KEY] = state.admission
     app[BODY_TIMEOUT_KEY] = cfg.body_timeout
     app[SEND_TIMEOUT_KEY] = cfg.send_timeout
     app.on_response_prepare.append(rate_limit_headers)

@@ -3,7 +3,7 @@
 Owns: readiness (and draining: the one "shutting down" 503), loading the model's facts from
 the engine, the model-name check, the caps requests are sized under (the sizing itself,
 prompts x n into ChoiceJobs: radixserve/api/jobs.py), admission with per-key accounting, the
-request deadline, the opt-in request log line, and the request keys (STATE_KEY, CALLER_FIELD,
+request deadline, the opt-in request log line, and the request keys (STATE_KEY,
 PREVIEW_FIELD). Tokenization is server/prompts.py's. Does not know: OpenAI's wire format.
 """
 
@@ -16,13 +16,13 @@ import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 
 from radixserve.api.api_keys import KeyLimits
 from radixserve.api.constraints.check import ConstraintChecker
-from radixserve.api.jobs import ChoiceJob, JobCaps, make_jobs, merge_streams, tightest
+from radixserve.api.jobs import ChoiceJob, JobCaps, MergedStreams, make_jobs, tightest
 from radixserve.api.protocol import PromptInput, RequestOptions
 from radixserve.api.response_store import ResponseStore
 from radixserve.api.tools.parsers import get_format
@@ -33,8 +33,9 @@ from radixserve.ipc.client import EngineClient, EngineState
 from radixserve.server import prompts
 from radixserve.server.access.auth import ANONYMOUS_CALLER, ApiKeys, Caller
 from radixserve.server.access.body import read_json as read_json  # re-exported for routes
-from radixserve.server.access.deadline import deadline_events
-from radixserve.server.access.limits import Admission, Ticket, displaceable
+from radixserve.server.access.deadline import deadline_at, timeout_error
+from radixserve.server.access.limits import Admission, Ticket
+from radixserve.server.access.middleware import CALLER_FIELD
 from radixserve.server.choice_stream import ChoiceChunk, stream_choice
 from radixserve.server.error_responses import APIError
 from radixserve.server.metrics import ServerMetrics
@@ -43,7 +44,6 @@ from radixserve.types import TemplateOptions
 LOG_PREVIEW_CHARS = 8  # --log-requests shows this much of a prompt, never more
 
 request_logger = logging.getLogger("radixserve.requests")
-T = TypeVar("T")
 
 
 class ServerState:
@@ -178,44 +178,62 @@ class ServerState:
             [len(j.prompt_ids) for j in jobs][:4], jobs[0].params.max_tokens if jobs else None,
             shown, len(preview))
 
-    def outputs(self, jobs: Sequence[ChoiceJob], arrival: float, ticket: Ticket,
-                timeout: float | None) -> AsyncGenerator[ChoiceChunk, None]:
+    async def outputs(self, jobs: Sequence[ChoiceJob], arrival: float, ticket: Ticket,
+                      timeout: float | None) -> AsyncGenerator[ChoiceChunk, None]:
         """An admitted request's choices as one stream: displaceable until its first output
         (a full queue may give its place to a more important request: 429), cut off at its
-        deadline."""
-        merged = merge_streams([self.stream(j, arrival, ticket) for j in jobs])
-        return self.with_deadline(displaceable(merged, ticket), arrival, timeout)
+        deadline (the server's --request-timeout or the request's own `timeout`, whichever is
+        sooner, counted from arrival: 408), the tokens it used counted as they arrive.
+        Leaving it (cut off, displaced, or the consumer gone) closes every choice, which
+        aborts their engine requests, so their pages are freed.
 
-    def stream(self, job: ChoiceJob, arrival: float,
-               ticket: Ticket | None = None) -> AsyncGenerator[ChoiceChunk, None]:
-        chunks = stream_choice(self.client, self.tokenizer, job, self.eos_ids, self.metrics,
-                               arrival)
-        return chunks if ticket is None else self._counted(chunks, job, ticket)
-
-    async def _counted(self, chunks: AsyncGenerator[ChoiceChunk, None], job: ChoiceJob,
-                       ticket: Ticket) -> AsyncGenerator[ChoiceChunk, None]:
-        """Count the tokens a choice really used, for tpm reconciliation and /metrics."""
-        counter = self.metrics.key_generation_tokens.labels(ticket.caller.name or "anonymous")
-        first = True
-        async with aclosing(chunks) as stream:
-            async for chunk in stream:
-                if first:
-                    ticket.used_tokens += len(job.prompt_ids)
-                    first = False
-                ticket.used_tokens += len(chunk.token_ids)
-                counter.inc(len(chunk.token_ids))
+        NOTE: one generator, not one per concern: merging, displacement, the deadline and
+        the counting are plain calls per output (tests/server/test_token_path.py bounds the
+        generators a token passes through)."""
+        limit = tightest(self.cfg.request_timeout, timeout)
+        at = deadline_at(limit, arrival)
+        streams = [self.stream(j, arrival) for j in jobs]
+        started: set[int] = set()  # choices whose prompt tokens are counted
+        async with aclosing(MergedStreams(streams)) as merged:
+            while True:
+                try:
+                    async with asyncio.timeout_at(at) as window:
+                        ticket.wait_in(window)
+                        chunk = await merged.next()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if not window.expired():
+                        raise
+                    raise self._cut_off(ticket, limit) from None
+                finally:
+                    ticket.wait_in(None)
+                ticket.output_arrived()
+                self._count(ticket, jobs[chunk.index], chunk, started)
                 yield chunk
 
-    def with_deadline(self, events: AsyncGenerator[T, None], arrival: float,
-                      timeout: float | None) -> AsyncGenerator[T, None]:
-        """`events`, cut off (aborting the engine work: its pages are freed) at the deadline:
-        the server's --request-timeout or the request's own `timeout`, whichever is sooner,
-        counted from arrival. Past it the caller sees APIError(408)."""
-        limit = tightest(self.cfg.request_timeout, timeout)
-        if limit is None:
-            return events
-        return deadline_events(events, limit - (time.perf_counter() - arrival), limit,
-                         self.metrics.request_timeouts.inc)
+    def _cut_off(self, ticket: Ticket, limit: float | None) -> APIError:
+        """What an expired wait means: displaced (429), or past the deadline (408)."""
+        displaced = ticket.timeout_error()
+        if displaced is not None:
+            return displaced
+        assert limit is not None, "only a displacement or a deadline expires the wait"
+        self.metrics.request_timeouts.inc()
+        return timeout_error(limit)
+
+    def _count(self, ticket: Ticket, job: ChoiceJob, chunk: ChoiceChunk,
+               started: set[int]) -> None:
+        """The tokens a choice really used, for tpm reconciliation and /metrics."""
+        if job.index not in started:
+            started.add(job.index)
+            ticket.used_tokens += len(job.prompt_ids)
+        ticket.used_tokens += len(chunk.token_ids)
+        name = ticket.caller.name or "anonymous"
+        self.metrics.key_generation_tokens.labels(name).inc(len(chunk.token_ids))
+
+    def stream(self, job: ChoiceJob, arrival: float) -> AsyncGenerator[ChoiceChunk, None]:
+        return stream_choice(self.client, self.tokenizer, job, self.eos_ids, self.metrics,
+                             arrival)
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strs.get(token_id)
@@ -226,8 +244,6 @@ class ServerState:
 
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("radixserve_state", ServerState)
-# The caller, set on each request by the auth middleware.
-CALLER_FIELD: web.RequestKey[Caller] = web.RequestKey("radixserve_caller", Caller)
 # The prompt's text (or its first characters), kept for --log-requests' preview only.
 PREVIEW_FIELD: web.RequestKey[str] = web.RequestKey("radixserve_prompt_preview", str)
 

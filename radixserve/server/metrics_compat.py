@@ -1,5 +1,7 @@
-"""`--metrics-compat vllm`: the gauges the Gateway API inference extension's model-server
-protocol reads (llm-d's endpoint picker, KServe), under vLLM's exact names.
+"""`--metrics-compat vllm`: the inference gateway's model-server gauges, under vLLM's names.
+
+The gauges the Gateway API inference extension's model-server protocol reads (llm-d's
+endpoint picker, KServe), under vLLM's exact names.
 
 Owns: the vllm:* names and their mapping to the engine's stats snapshot. Does not know: how
 the stats are kept (the engine), the radixserve:* metrics (metrics.py), which stay as they

@@ -1,5 +1,7 @@
-"""Server-Sent Events responses: `data: {json}\\n\\n` per event, `data: [DONE]` last; or, for
-the Responses API (`named`), `event: <type>\\ndata: {json}\\n\\n` per typed event, no [DONE].
+"""Server-Sent Events responses: when headers go out, and errors after they did.
+
+`data: {json}\\n\\n` per event, `data: [DONE]` last; or, for the Responses API (`named`),
+`event: <type>\\ndata: {json}\\n\\n` per typed event, no [DONE].
 
 Owns: when headers go out (only after the first event, so a request the engine rejects still
 gets a real 4xx status), and how an error after that point is reported (an error event, then

@@ -1,5 +1,7 @@
-"""Verification and adaptivity: which drafted tokens are kept, how long the next draft is,
-and whether drafting pays at all for this batch.
+"""Verification and adaptivity: kept draft tokens, the next draft's length, the gate.
+
+Which drafted tokens are kept, how long the next draft is, and whether drafting pays at all
+for this batch.
 
 Owns: accept_prefix (the acceptance rule), DraftLength (per request: the draft length from its
 recent acceptance, and a backoff that switches drafting off for a request that keeps missing),
@@ -22,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-EMA = 0.5  # weight of the newest step in a request's acceptance average
+ACCEPTED_AVERAGE_WEIGHT = 0.5  # the newest step's weight in a request's accepted fraction
 OFF_BELOW = 0.25  # a request's mean accepted fraction below this: drafting backs off
 MAX_BACKOFF = 64  # steps a request may go undrafted before it probes again
 MAX_EMPTY_SKIP = 8  # steps skipped at most after searches that found nothing
-GATE_EMA = 0.2  # weight of the newest step in a batch bucket's throughput average
+GATE_AVERAGE_WEIGHT = 0.2  # the newest step's weight in a batch bucket's tokens/s
 PROBE_EVERY = 16  # the slower arm of a batch bucket is tried again this often
 MIN_SAMPLES = 4  # steps of each arm before the gate trusts its averages
 # Drafting is kept only where its steps give clearly more than plain ones. A tie is a loss:
@@ -49,6 +51,11 @@ def accept_prefix(draft: Sequence[int], targets: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def running_average(average: float, value: float, weight: float) -> float:
+    """An exponential moving average's update: `weight` is the newest value's share."""
+    return (1 - weight) * average + weight * value
 
 
 @dataclass
@@ -79,7 +86,7 @@ class DraftLength:
             return
         self.empty_streak = 0
         rate = num_accepted / num_drafted
-        self.mean_accepted = (1 - EMA) * self.mean_accepted + EMA * rate
+        self.mean_accepted = running_average(self.mean_accepted, rate, ACCEPTED_AVERAGE_WEIGHT)
         if self.mean_accepted < OFF_BELOW:
             self.backoff = min(MAX_BACKOFF, max(2, self.backoff * 2))
             self.skip = self.backoff
@@ -94,7 +101,8 @@ class _Arm:
 
     def observe(self, tokens: int, seconds: float) -> None:
         value = tokens / max(seconds, 1e-9)
-        self.rate = value if self.samples == 0 else (1 - GATE_EMA) * self.rate + GATE_EMA * value
+        self.rate = value if self.samples == 0 else running_average(self.rate, value,
+                                                                     GATE_AVERAGE_WEIGHT)
         self.samples += 1
 
 

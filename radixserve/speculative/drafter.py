@@ -37,8 +37,6 @@ class SpecState:
     pred_pos: int | None = 0  # prediction index continuing the output; None: lost
     num_drafted: int = 0  # draft tokens verified, over the request's life
     num_accepted: int = 0  # of them, accepted
-    num_steps: int = 0  # verification steps (a step with a draft)
-    last_draft: list[int] = field(default_factory=list)
     # The request's tokens as int32, converted as they are appended (not O(len) a step).
     _buf: TokenArray = field(default_factory=lambda: np.empty(0, np.int32))
     _len: int = 0
@@ -157,7 +155,6 @@ class Drafter:
     def on_verified(self, state: SpecState, num_drafted: int, num_accepted: int) -> None:
         state.num_drafted += num_drafted
         state.num_accepted += num_accepted
-        state.num_steps += 1
         state.length.observe(num_drafted, num_accepted)
 
     def on_finish(self, salt: str, output_ids: Sequence[int]) -> None:

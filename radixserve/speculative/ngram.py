@@ -1,5 +1,6 @@
-"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min).
+"""Prompt lookup: draft what followed the latest earlier occurrence of the last n tokens.
+
+n runs from prompt_lookup_max down to prompt_lookup_min.
 
 Owns: the vectorized search over one int32 token array (candidates are the positions of the
 last token; only those are checked against the rest of the n-gram). Does not know: requests,

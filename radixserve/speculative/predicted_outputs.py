@@ -1,5 +1,6 @@
-"""OpenAI's Predicted Outputs as a draft source: the client's `prediction` text, tokenized,
-followed along the output.
+"""OpenAI's Predicted Outputs as a draft source, followed along the output.
+
+The client's `prediction` text, tokenized.
 
 Owns: the alignment rule. While the output so far equals the prediction up to `pos`, the draft
 is prediction[pos : pos + k]. When the output departs from it (an edit), the alignment is

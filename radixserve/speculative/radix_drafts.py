@@ -1,5 +1,7 @@
-"""Drafts from what earlier requests produced: the radix tree's continuations below a
-request's position, and a bounded index of recent outputs per cache namespace.
+"""Drafts from what earlier requests produced: tree continuations and recent outputs.
+
+The radix tree's continuations below a request's position, and a bounded index of recent
+outputs per cache namespace.
 
 Owns: RecentOutputs (per salt: one ring of recent output tokens, searched by n-gram) and
 tree_continuation (a read-only descent: no split, no LRU touch, no lock). Drafts never cross

@@ -1,5 +1,6 @@
-"""A fake replica for the router's tests and benchmark: the HTTP surface of `radixserve serve`
-over a simulated prefix cache, with no model.
+"""A fake replica for the router's tests and benchmark: `radixserve serve` without a model.
+
+The HTTP surface of `radixserve serve` over a simulated prefix cache.
 
 Owns: the simulation. Prefill is serialized per replica (one accelerator) and costs
 `prefill_s_per_token` per UNCACHED prompt token; decode streams `max_tokens` tokens
@@ -25,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from radixserve.api.api_keys import cache_salt_for_api_key
-from radixserve.kv_events.block_hash import HashAlgo
+from radixserve.config.kv_events_config import HashAlgo
 from radixserve.kv_events.publisher import (
     AllBlocksCleared,
     BlockEvent,

@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from router.core import Router
 from router.discovery.discovery_config import DiscoveryConfig, DiscoveryMode
 from router.discovery.dns import DnsDiscovery, Resolver, system_resolver
 from router.discovery.membership import Membership, Target
-from router.routing.core import Router
 
 __all__ = ["DISCOVERY_KEY", "DiscoveryConfig", "DiscoveryMode", "DiscoverySource",
            "Membership", "Target", "attach_discovery"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 HTTP_GONE = 410
+RECENT_BACKOFFS = 16  # the latest waits after API errors kept, to look at the retry schedule
 
 
 class PodInfo(NamedTuple):
@@ -95,7 +97,8 @@ class K8sDiscovery:
         self.num_lists = 0
         self.num_expired = 0  # watches ended by 410 Gone (each followed by a list)
         self.num_errors = 0
-        self.backoffs: list[float] = []  # every wait after an API error, in order
+        # The latest waits after API errors, oldest first; bounded: an outage may last days.
+        self.backoffs: deque[float] = deque(maxlen=RECENT_BACKOFFS)
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._watch: Any = None

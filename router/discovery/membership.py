@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from router.config import STABLE_GROUP
+from router.core import Router
 from router.fleet.canary import SplitUpdateError
-from router.routing.core import Router
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""Fleet-wide per-key limits: rpm, tpm and max_concurrency enforced by the router, before
-routing, so that a key spread over N replicas gets its limit once and not N times.
+"""Fleet-wide per-key limits: rpm, tpm and max_concurrency, enforced before routing.
+
+So that a key spread over N replicas gets its limit once and not N times.
 
 Owns: the keys file as the router reads it (the replicas' own file and format:
 radixserve.api.api_keys), its reload on SIGHUP (a bad file keeps the old keys, logged), each
@@ -35,10 +36,10 @@ import orjson
 from aiohttp import web
 
 from radixserve.api.api_keys import KeyLimits, digest_key, load_keys_file
+from radixserve.api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS
 from radixserve.api.ratelimit import RateLimiter, format_duration
 from radixserve.config import ConfigError
 from router.fleet.redis_limits import Grant, RedisCounter
-from router.proxy.stream_state import COMPLETIONS_DEFAULT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4

@@ -1,0 +1,4 @@
+"""Proxying: forwarding a request to a worker and streaming the answer, resumed on failure.
+
+Does not know: which worker is best (routing/), the fleet controls (fleet/).
+"""

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from router.breaker import is_fault
 from router.config import RouterConfig
+from router.core import Router
 from router.fleet.canary import SESSION_HEADER
 from router.proxy.relay import (
     Deadlines,
@@ -41,7 +42,6 @@ from router.proxy.relay import (
 )
 from router.proxy.resume import Failover, Upstream
 from router.proxy.stream_state import StreamState, upstream_body, why_not_resumable
-from router.routing.core import Router
 from router.routing.route_key import RequestKind, RouteKey
 from router.workers import Worker, WorkerPool
 

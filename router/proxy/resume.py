@@ -1,5 +1,7 @@
-"""Mid-stream failover: relay an OpenAI SSE stream and, when its replica fails after the first
-byte, continue it on another replica so that the client sees one unbroken stream.
+"""Mid-stream failover: a stream whose replica fails is continued on another.
+
+Relay an OpenAI SSE stream and, when its replica fails after the first byte, continue it on
+another replica so that the client sees one unbroken stream.
 
 Owns: the relay loop of streamed /v1/completions and /v1/chat/completions answers, the
 failure kinds seen mid-stream (connection reset, an in-band 5xx error event, a stall past
@@ -23,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from router.proxy.relay import DONE, MAX_EVENT_BYTES, Deadlines, read_before, write_error_end
-from router.proxy.stream_state import StreamState
+from router.proxy.stream_state import NotContinuable, StreamState
 from router.routing.kv_index import split_sse
 from router.workers import Worker, WorkerPool
 
@@ -126,7 +128,7 @@ class Failover:
             log.warning("stream from %s failed mid-way (%s)", worker.url, failure.message)
             self.pool.mark_suspect(worker, failure.message)
             why = self.resumable or st.why_not_continuable()
-            if why == "the answer was complete":
+            if why is NotContinuable.ANSWER_COMPLETE:
                 failure = self._finish_without_replica()
                 break
             if why is not None or self.num_resumes >= self.max_resumes:

@@ -27,15 +27,16 @@ this module does not know.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import orjson
 
 from radixserve.api.lengths import choice_seed
+from radixserve.api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # the replica's default
 from router.routing.route_key import RequestKind
 
 ID_FIELDS = ("token_ids", "prompt_token_ids")
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and the replica's) default
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "logit_bias")
 # Fields that change nothing a continuation must reproduce beyond what the ids carry.
@@ -49,6 +50,13 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {  # a field that is harmless at these
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False),
 }
+
+
+class NotContinuable(StrEnum):
+    """Why the stream so far cannot be continued on another replica (the value: for logs)."""
+
+    ANSWER_COMPLETE = "the answer was complete"  # only the usage / [DONE] was lost
+    NO_TOKEN_IDS = "the replica's stream carries no token ids"
 
 
 def why_not_resumable(kind: RequestKind, body: dict[str, Any]) -> str | None:
@@ -123,12 +131,12 @@ class StreamState:
                 return value
         return COMPLETIONS_DEFAULT_MAX_TOKENS if self.kind is RequestKind.COMPLETIONS else None
 
-    def why_not_continuable(self) -> str | None:
-        """Resumable up front, and the stream so far carried what a continuation needs."""
+    def why_not_continuable(self) -> NotContinuable | None:
+        """None when the stream so far carried what a continuation needs; else why not."""
         if not self.unfinished():
-            return "the answer was complete"  # only the usage / [DONE] was lost
+            return NotContinuable.ANSWER_COMPLETE
         if self.prompt_ids is None or not self.ids_seen:
-            return "the replica's stream carries no token ids"
+            return NotContinuable.NO_TOKEN_IDS
         return None
 
     # --- the original replica's OpenAI events --------------------------------------------

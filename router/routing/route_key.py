@@ -32,7 +32,7 @@ import orjson
 
 from radixserve.api.api_keys import cache_salt_for_api_key
 from radixserve.api.responses import input_messages
-from radixserve.kv_events.block_hash import HashAlgo
+from radixserve.config.kv_events_config import HashAlgo
 from radixserve.kv_events.publisher import block_hashes, chained_hashes
 from radixserve.types import InvalidRequestError
 

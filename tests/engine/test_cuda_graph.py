@@ -29,7 +29,7 @@ from radixserve.engine.graph_inputs import (
     graph_batch_sizes,
     strided_rows,
 )
-from radixserve.engine.model_runner import StepInputs
+from radixserve.engine.step_inputs import StepInputs
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.sched.req import Batch, Req, ScheduledReq
 from radixserve.types import Phase, SamplingParams

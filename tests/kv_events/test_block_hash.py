@@ -16,10 +16,10 @@ import pytest
 from radixserve.cache.radix_types import CacheEvent, CacheEventKind
 from radixserve.cli import build_config, build_parser
 from radixserve.config import ConfigError, EngineConfig, ServerConfig
+from radixserve.config.kv_events_config import HashAlgo
 from radixserve.ipc.client import EngineClient
 from radixserve.kv_events.block_hash import (
     NONE_HASH,
-    HashAlgo,
     sha256_cbor_digests,
     sha256_cbor_hashes,
 )

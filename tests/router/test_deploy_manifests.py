@@ -212,8 +212,8 @@ def _exported_names() -> set[str]:
 
     from radixserve.server.metrics import ServerMetrics
     from router.config import RouterConfig
+    from router.core import Router
     from router.metrics import make_registry
-    from router.routing.core import Router
 
     stats = {"num_running": 1, "num_waiting": 2, "kv_free_tokens": 1, "kv_cached_tokens": 1,
              "kv_held_tokens": 1, "kv_total_tokens": 3, "kv_evictable_tokens": 1,

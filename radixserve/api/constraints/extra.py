@@ -1,5 +1,6 @@
-"""Constraint fields that vLLM and SGLang clients send to the OpenAI routes besides
-`response_format` (through the openai SDK's `extra_body`).
+"""Constraint fields of vLLM and SGLang clients on the OpenAI routes (`guided_json`, ...).
+
+Besides `response_format`, these come through the openai SDK's `extra_body`.
 
 Owns: mapping them to the native kinds of native.py, at most one per request:
   vLLM (<= 0.9, still common):   guided_json, guided_regex, guided_choice, guided_grammar

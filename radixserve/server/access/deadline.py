@@ -1,38 +1,27 @@
-"""A request's deadline: its event stream cut off after --request-timeout (or its own).
+"""A request's deadline: --request-timeout (or the request's own), as a time on the loop's clock.
 
-Owns: the wrapper that closes a request's event stream at its deadline (which aborts its
-engine requests, so the engine frees their pages) and raises APIError(408). Does not know:
-which timeout applies (server/app_state.py picks the tightest), routes, the engine.
+Owns: when a request's outputs are cut off (the tightest of the server's and the request's
+timeouts, counted from its arrival) and the APIError(408) that says so. The waiting itself,
+and closing the request's event stream (which aborts its engine requests, so the engine frees
+their pages), are ServerState.outputs's. Does not know: routes, the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
-from typing import Any, TypeVar
+import time
 
 from radixserve.api.errors import APIError
 
-T = TypeVar("T")
+
+def deadline_at(limit: float | None, arrival: float) -> float | None:
+    """The event loop's time at which a request that arrived at `arrival` (perf_counter) runs
+    out of its `limit` seconds; None without a limit."""
+    if limit is None:
+        return None
+    return asyncio.get_running_loop().time() + limit - (time.perf_counter() - arrival)
 
 
-async def deadline_events(events: AsyncGenerator[T, None], remaining: float, limit: float,
-                          on_timeout: Callable[[], Any]) -> AsyncGenerator[T, None]:
-    """Yield from `events` until `remaining` seconds pass, then close it (which aborts its
-    engine requests) and raise APIError(408)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + remaining
-    async with aclosing(events) as stream:
-        iterator = stream.__aiter__()
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    item = await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                on_timeout()
-                raise APIError(408, f"the request did not finish within its {limit:g} s "
-                                    "timeout; it was aborted", code="request_timeout") from None
-            yield item
+def timeout_error(limit: float) -> APIError:
+    return APIError(408, f"the request did not finish within its {limit:g} s timeout; it was "
+                         "aborted", code="request_timeout")

@@ -6,7 +6,7 @@ charged up front (prompt + max_tokens) are reconciled with the tokens really use
 full queue refuses: the least important request, which is the newcomer unless a request
 still waiting for its first token is strictly less important (larger priority); then that one
 is displaced: its Ticket is marked, its queue slots pass to the newcomer at once, and its
-handler (watching through `displaceable`) aborts its engine work and answers 429.
+handler (waiting through Ticket.wait_in) aborts its engine work and answers 429.
 Does not know: routes or the engine; the buckets' arithmetic (radixserve/api/ratelimit.py).
 All state is touched on the event loop only, so no lock is needed.
 """
@@ -16,17 +16,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import AsyncGenerator, Callable, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from radixserve.api.ratelimit import RateLimiter
 from radixserve.server.access.auth import Caller
 from radixserve.server.error_responses import APIError
 
 RETRY_AFTER_S = 1
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -43,6 +41,25 @@ class Ticket:
     displaced: bool = False  # refused after admission: its queue slots were given away
     # While waiting for its first output, the handler's wait; displacement expires it.
     _window: asyncio.Timeout | None = field(default=None, repr=False)
+
+    def wait_in(self, window: asyncio.Timeout | None) -> None:
+        """The handler waits for the next output under `window` (None: the wait ended).
+        Until the first output arrives, a displacement expires the window from outside (a
+        TimeoutError in the waiter, after the cancellation closed the engine requests); a
+        ticket displaced already is refused at once (APIError 429)."""
+        if window is not None and not self.started and self.displaced:
+            raise displaced_error(self)
+        self._window = None if self.started else window
+
+    def output_arrived(self) -> None:
+        """An output reached the handler: from now on the ticket is never displaced."""
+        self.started = True
+        self._window = None
+
+    def timeout_error(self) -> APIError | None:
+        """The error a handler's expired wait means when the ticket was displaced (None:
+        it was not, the wait's own deadline expired)."""
+        return displaced_error(self) if self.displaced and not self.started else None
 
 
 def _too_many(message: str, code: str, retry_after_s: float) -> APIError:
@@ -166,34 +183,3 @@ def displaced_error(ticket: Ticket) -> APIError:
     return _too_many(f"the server queue is full and this request (priority {ticket.priority}) "
                      "was displaced by a more important request before it started; retry "
                      "later", "queue_full", RETRY_AFTER_S)
-
-
-async def displaceable(events: AsyncGenerator[T, None],
-                       ticket: Ticket) -> AsyncGenerator[T, None]:
-    """`events` (a request's merged outputs) until the first one arrives, which marks the
-    ticket started; if it is displaced before that, `events` is closed (aborting its engine
-    requests, so their pages are freed) and APIError(429 queue_full) raised."""
-    async with aclosing(events) as stream:
-        iterator = stream.__aiter__()
-        while not ticket.started:
-            if ticket.displaced:
-                raise displaced_error(ticket)
-            try:
-                # NOTE: an asyncio.Timeout with no deadline is a cancellable wait that
-                # Admission._displace can expire from outside; a displaced wait ends in
-                # TimeoutError after the cancellation has closed the engine requests.
-                async with asyncio.timeout(None) as window:
-                    ticket._window = window
-                    item = await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                if window.expired() and ticket.displaced:
-                    raise displaced_error(ticket) from None
-                raise
-            finally:
-                ticket._window = None
-            ticket.started = True
-            yield item
-        async for item in iterator:
-            yield item

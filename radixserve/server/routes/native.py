@@ -1,5 +1,6 @@
-"""Native and operational routes: /generate, /health, /metrics, /flush_cache, /server_info,
-/version.
+"""Native and operational routes: /generate, /health, /metrics, /server_info, ....
+
+/generate, /health, /metrics, /flush_cache, /server_info, /version.
 
 Owns: SGLang's native /generate shape (`text`, `output_ids`, `meta_info`; streamed chunks carry
 the cumulative text, as SGLang's do; `return_logprob` / `top_logprobs_num` add SGLang's

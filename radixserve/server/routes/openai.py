@@ -120,18 +120,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     want_lp = req.opts.params.logprobs is not None
     with state.admit(request, jobs) as ticket:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
+        # Not streamed: the usage event (always the last) is the response's usage.
+        usage = req.opts.include_usage or not req.opts.stream
         events = _completion_events(state, jobs, chunks, echo, want_lp,
-                                    req.opts.return_token_ids)
+                                    req.opts.return_token_ids, usage)
         if req.opts.stream:
-            return await write_sse(request, _with_usage(events, req.opts.include_usage))
+            return await write_sse(request, events)
         return json_response(await _collect_completion(events, len(jobs)))
 
 
 async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                              chunks: AsyncGenerator[ChoiceChunk, None], echo: list[str] | None,
-                             want_lp: bool, ids: bool = False
+                             want_lp: bool, ids: bool = False, with_usage: bool = True
                              ) -> AsyncGenerator[dict[str, Any], None]:
-    """Completion chunks; the very last item is the usage object (popped by the callers)."""
+    """Completion chunks, then (`with_usage`) a last event with no choices and the usage."""
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": state.model_name}
     usage = Usage(jobs)
@@ -151,15 +153,8 @@ async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                 if ids:
                     _add_token_ids(choice, c, jobs[c.index] if first else None)
                 yield {**base, "choices": [choice]}
-    yield {**base, "choices": [], "usage": usage.body()}
-
-
-async def _with_usage(events: AsyncGenerator[dict[str, Any], None],
-                      include_usage: bool) -> AsyncGenerator[dict[str, Any], None]:
-    async with aclosing(events) as stream:
-        async for event in stream:
-            if "usage" not in event or include_usage:
-                yield event
+    if with_usage:
+        yield {**base, "choices": [], "usage": usage.body()}
 
 
 async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
@@ -191,8 +186,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
         if req.opts.stream:
             events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
-                                  calls, req.opts.return_token_ids)
-            return await write_sse(request, _with_usage(events, req.opts.include_usage))
+                                  calls, req.opts.return_token_ids, req.opts.include_usage)
+            return await write_sse(request, events)
         return json_response(await _collect_chat(state, jobs, chunks, calls))
 
 
@@ -231,8 +226,10 @@ def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:
 
 async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
                        chunks: AsyncGenerator[ChoiceChunk, None], want_lp: bool,
-                       calls: CallFormat | None, ids: bool = False
+                       calls: CallFormat | None, ids: bool = False, with_usage: bool = False
                        ) -> AsyncGenerator[dict[str, Any], None]:
+    """Chat completion chunks, then (`with_usage`: stream_options.include_usage) a last event
+    with no choices and the usage."""
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": state.model_name}
     usage = Usage(jobs)
@@ -262,7 +259,8 @@ async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
                 if ids:
                     choice["token_ids"] = list(c.token_ids) if k == 0 else []
                 yield {**base, "choices": [choice]}
-    yield {**base, "choices": [], "usage": usage.body()}
+    if with_usage:
+        yield {**base, "choices": [], "usage": usage.body()}
 
 
 async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],

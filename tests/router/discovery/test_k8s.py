@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 import pytest
@@ -16,7 +17,7 @@ from radixserve.testing.fake_replica import ByteEncoder, start_app
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
 from router.discovery import DiscoveryConfig, DiscoveryMode, attach_discovery
-from router.discovery.k8s import K8sDiscovery, pod_info
+from router.discovery.k8s import RECENT_BACKOFFS, K8sDiscovery, pod_info
 from tests.fake_kube_api import (
     LOOPBACKS,
     FakeKubeAPI,
@@ -127,7 +128,7 @@ async def test_k8s_discovery_lifecycle() -> None:
             # The API down: last known workers kept, retries back off (doubling, capped).
             await api.stop()
             await wait_until(lambda: len(source.backoffs) >= 5, what="failed retries")
-            assert source.backoffs[:5] == [0.05, 0.1, 0.2, 0.4, 0.4]
+            assert list(source.backoffs)[:5] == [0.05, 0.1, 0.2, 0.4, 0.4]
             assert pool() == {urls[0]} and source.num_errors >= 5
             assert await served_by(s, url, 2) == {LOOPBACKS[0]}
 
@@ -145,3 +146,25 @@ async def test_k8s_discovery_lifecycle() -> None:
         await api.stop()
         for r in replicas:
             await r.stop()
+
+
+async def test_a_long_outage_keeps_only_the_latest_backoffs() -> None:
+    """An API server that never answers: the retries go on, their record stays bounded."""
+    with socket.socket() as sock:  # a port nobody listens on: every call is refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dcfg = DiscoveryConfig(DiscoveryMode.K8S, selector="app=radixserve", namespace=NS,
+                           port=port, backoff_initial_s=0.001, backoff_max_s=0.002)
+    app = create_app(CFG, encoder=ByteEncoder())
+    source = attach_discovery(app, app[ROUTER_KEY], dcfg,
+                              k8s_configuration=Configuration(host=f"http://127.0.0.1:{port}"))
+    assert isinstance(source, K8sDiscovery)
+    task = asyncio.create_task(source.run())
+    try:
+        await wait_until(lambda: source.num_errors > 3 * RECENT_BACKOFFS, what="a long outage")
+        assert len(source.backoffs) == RECENT_BACKOFFS
+        assert list(source.backoffs) == [0.002] * RECENT_BACKOFFS  # doubled, then capped
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert await asyncio.to_thread(source.join, 10), "the watch thread did not stop"

@@ -8,10 +8,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from router.config import RouterConfig
+from router.core import Router
 from router.discovery.k8s import PodInfo, desired_targets
 from router.discovery.membership import Membership, Target
 from router.metrics import make_registry
-from router.routing.core import Router
 
 A, B, C = "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"
 

@@ -12,8 +12,8 @@ import pytest
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster
 from router.__main__ import build_parser, config_from_args, main
 from router.config import ConfigError, PolicyName, RouterConfig
+from router.core import Router
 from router.fleet.canary import SESSION_HEADER, SplitUpdateError, session_key, split_point
-from router.routing.core import Router
 from router.routing.route_key import Prompt, RequestKind, extract_prompt
 
 pytestmark = pytest.mark.timeout(60)

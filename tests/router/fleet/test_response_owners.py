@@ -16,8 +16,8 @@ import pytest
 from radixserve.testing.fake_replica import start_app
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
+from router.core import Router
 from router.fleet.response_owners import ResponseOwners
-from router.routing.core import Router
 from tests.server.test_tools import model_dir, serve
 
 __all__ = ["model_dir"]

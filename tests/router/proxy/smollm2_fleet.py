@@ -19,7 +19,7 @@ from aiohttp import web
 from radixserve.testing.fake_replica import start_app
 from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
-from router.routing.core import Router
+from router.core import Router
 from router.workers import Worker
 from tests.server_proc import ServerProc, running_server
 from tests.waiting import wait_until

@@ -18,7 +18,7 @@ from radixserve.kv_events.publisher import (
 )
 from radixserve.testing.fake_replica import ByteEncoder
 from router.config import ConfigError, PolicyName, RouterConfig, normalize_worker_url
-from router.routing.core import Router
+from router.core import Router
 from router.routing.kv_index import PreciseIndex, split_sse
 from router.routing.policy import (
     CacheAwarePolicy,

@@ -1,9 +1,11 @@
-"""The routing core: from a request's key to a worker, and the bookkeeping after a choice.
+"""Router: from a request's key to a worker, through the policy and the fleet controls.
 
 Owns: the worker pool, the policy, the approximate prefix index and (precise mode) the
 per-replica KV-event state with one follower task per worker; adding and removing workers
-at run time keeps all of them in step. Does not know: HTTP handlers, request bodies
-(route_key.py makes keys), how bytes are proxied (proxy.py).
+at run time keeps all of them in step; the fleet controls a choice goes through (sessions,
+canary split, key limits: fleet/) and the bookkeeping after it. It sits above routing/ and
+fleet/ (fleet/ uses routing/'s types; neither imports this). Does not know: HTTP handlers,
+request bodies (routing/route_key.py makes keys), how bytes are proxied (proxy/).
 """
 
 from __future__ import annotations
