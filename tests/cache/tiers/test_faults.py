@@ -19,6 +19,7 @@ import pytest
 from radixserve import LLM
 from radixserve.cache.tiers import Tier, block_key
 from radixserve.cache.tiers.block_io import BLOCK
+from radixserve.cache.tiers.kv_tiers import shared_namespace
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.kv_events.publisher import block_hashes
 from tests.cache.tiers.test_engine import GREEDY, always_load, make_llm, prompts, run
@@ -189,19 +190,21 @@ def test_a_writer_killed_mid_write_leaves_no_wrong_block(tiny_llama: Path, tmp_p
         tiers = producer.engine.tiers
         assert tiers is not None and tiers.writer.flush()
         fp = json.dumps(dataclasses.asdict(tiers.fp))
+        # The blocks live in the fingerprint's namespace under each --kv-shared-dir.
+        src, space = shared_namespace(src, tiers.fp), shared_namespace(shared, tiers.fp)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(shared), fp], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(space), fp], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         deadline = time.monotonic() + 120
-        while len(list(shared.glob("*.kvb"))) < 16 and time.monotonic() < deadline:
+        while len(list(space.glob("*.kvb"))) < 16 and time.monotonic() < deadline:
             assert proc.poll() is None, "the writer died on its own"
             time.sleep(0.01)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert len(list(shared.glob("*.kvb"))) >= 16
+    assert len(list(space.glob("*.kvb"))) >= 16
     llm = make_llm(tiny_llama, kv_shared_dir=shared)
     outs, _ = run(llm, batch)
     assert outs == reference
