@@ -36,6 +36,8 @@ HALF_LIFE_S = 2.0  # a sample this old weighs half against a new one
 PROBE_S = 5.0  # a tier skipped by the choice is loaded anyway this often (measured again)
 FORGET = 0.05  # prefill model: weight each step takes off the older ones
 RIDGE = 1e-9  # keeps the 3x3 fit solvable when every step had the same shape
+MIN_FIT_SAMPLES = 8  # prefill steps before the fixed cost is fitted apart from the per-token
+MIN_SPREAD = 0.25  # ... and their sizes must vary this much (std / mean)
 
 
 class Choice(enum.Enum):
@@ -82,16 +84,24 @@ class PrefillModel:
         self._xtx = (1 - FORGET) * self._xtx + np.outer(x, x)
         self._xty = (1 - FORGET) * self._xty + x * seconds
         self.num_samples += 1
-        self._fit(seconds / num_tokens)
+        self._fit()
 
-    def _fit(self, last_per_token: float) -> None:
+    def _fit(self) -> None:
+        w, n_sum, nn_sum = self._xtx[0, 0], self._xtx[0, 1], self._xtx[1, 1]
+        spread = nn_sum / w - (n_sum / w) ** 2  # weighted variance of the step sizes
+        mean_per_token = float(self._xty[0] / n_sum) / 1e3  # sum(seconds) / sum(tokens)
+        if self.num_samples < MIN_FIT_SAMPLES or spread < (MIN_SPREAD * n_sum / w) ** 2:
+            # The fixed cost and the per-token cost cannot be told apart yet: charge the
+            # whole step per token (an upper bound: it errs towards loading, which measures).
+            self.coef = (0.0, mean_per_token, 0.0)
+            return
         try:
             c0, a, b = np.linalg.solve(self._xtx + RIDGE * np.eye(3), self._xty)
         except np.linalg.LinAlgError:
-            c0, a, b = 0.0, last_per_token * 1e3, 0.0
+            c0, a, b = 0.0, mean_per_token * 1e3, 0.0
         a, b = max(float(a) / 1e3, 0.0), max(float(b) / 1e6, 0.0)
         if a == 0.0 and b == 0.0 or not math.isfinite(a + b):  # degenerate: per-token mean
-            a, b = last_per_token, 0.0
+            a, b = mean_per_token, 0.0
         self.coef = (max(float(c0), 0.0), a, b)
 
     def seconds(self, start: int, end: int) -> float | None:
@@ -124,6 +134,7 @@ class LoadChoice:
         self.counts = {t: dict.fromkeys((c.value for c in Choice), 0) for t in tiers}
         self._clock = clock
         self._last_load = dict.fromkeys(tiers, -math.inf)  # when each tier was last loaded
+        self.probe_s = PROBE_S
 
     def decide(self, start: int, block_ends: Sequence[int], tiers: Sequence[Tier]) -> Decision:
         """The choice for a hit whose block j ends at block_ends[j] and is read from tiers[j]
@@ -142,7 +153,8 @@ class LoadChoice:
                 best_saving = math.inf if unknown or recompute is None else recompute - load_s
         if best:
             return self._note(Decision(Choice.LOAD, best), tiers)
-        due = [t for t in dict.fromkeys(tiers) if self._clock() - self._last_load[t] >= PROBE_S]
+        now = self._clock()
+        due = [t for t in dict.fromkeys(tiers) if now - self._last_load[t] >= self.probe_s]
         if due:  # load the run of the tier due for a measurement
             n = next(j for j, t in enumerate(tiers) if t == due[0])
             n += next((k for k, t in enumerate(tiers[n:]) if t != due[0]), len(tiers) - n)

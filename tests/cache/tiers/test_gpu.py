@@ -12,11 +12,11 @@ from tests.cache.tiers.test_engine import prompts, run
 pytestmark = pytest.mark.gpu
 
 
-def test_cuda_tiers_keep_greedy_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+def test_cuda_tiers_keep_greedy_tokens(tier_model: Path, tmp_path: Path) -> None:
     from radixserve import LLM
 
     def make(**kw: object) -> LLM:
-        return LLM(model=str(tiny_llama), dtype="float32", device="cuda", kv_cache_tokens=600,
+        return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=600,
                    max_model_len=512, **kw)
 
     batch = prompts(4, 300)
