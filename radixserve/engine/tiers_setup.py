@@ -12,7 +12,8 @@ import torch
 import xxhash
 
 from radixserve.cache.tiers.block_io import KVCodec
-from radixserve.cache.tiers.kv_tiers import KVTiers, TierSettings, fingerprint
+from radixserve.cache.tiers.kv_tiers import KVTiers, fingerprint
+from radixserve.cache.tiers.tier_types import TierSettings
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.kv_events.publisher import MEDIUM_CPU, MEDIUM_GPU

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from radixserve.cache.radix_cache import TreeNode
 from radixserve.cache.tiers.block_loader import LoadDone
-from radixserve.cache.tiers.kv_tiers import KVTiers, TierHit
+from radixserve.cache.tiers.kv_tiers import KVTiers
+from radixserve.cache.tiers.tier_types import TierHit
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.req import Req
 

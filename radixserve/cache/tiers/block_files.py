@@ -71,18 +71,12 @@ class FileOps:
             return 0.0, -1  # vanished since the listing
         return st.st_mtime, st.st_size
 
-    def mtime(self, path: Path) -> float | None:
+    def stat(self, path: Path) -> os.stat_result | None:
+        """None: the file is gone (or cannot be looked at: as good as gone)."""
         self._wait()
         try:
-            return os.stat(path).st_mtime
+            return os.stat(path)
         except OSError:
-            return None
-
-    def size(self, path: Path) -> int | None:
-        self._wait()
-        try:
-            return os.stat(path).st_size
-        except FileNotFoundError:
             return None
 
     def touch(self, path: Path) -> None:

@@ -120,8 +120,11 @@ class TierWriter:
         self._thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self._thread.start()
 
+    def pending_bytes(self) -> int:
+        """Bytes queued now (ask before taking a snapshot: only what fits is copied)."""
+        return self._pending_bytes  # one int read: no lock; it only falls meanwhile
+
     def room(self, nbytes: int) -> bool:
-        """Whether `nbytes` more can be queued now (ask before taking a snapshot)."""
         with self._lock:
             return self._pending_bytes + nbytes <= self.max_pending_bytes
 

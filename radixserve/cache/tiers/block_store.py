@@ -132,8 +132,8 @@ class BlockStore(IndexedStore):
         now = time.time()
         for key in victims:
             if self.tier is Tier.SHARED:
-                mtime = self.files.mtime(self.path(key))
-                if mtime is not None and now - mtime < RECENT_S:
+                st = self.files.stat(self.path(key))
+                if st is not None and now - st.st_mtime < RECENT_S:
                     with self._lock:
                         self._forgotten.add(key)
                     continue
@@ -211,7 +211,7 @@ class BlockStore(IndexedStore):
         for tmp in listing.stale_temps:
             self.files.unlink(self.root / tmp)
         gone = [k for k in known if k not in listing.blocks]
-        gone = [k for k in gone if self.files.size(self.path(k)) is None]  # not a late put
+        gone = [k for k in gone if self.files.stat(self.path(k)) is None]  # not a late put
         self._apply_listing(listing, gone)
 
     def _apply_listing(self, listing: Listing, gone: list[str]) -> None:
@@ -241,7 +241,8 @@ class BlockStore(IndexedStore):
             self._index.check()
             assert self._index.bytes_used <= self._index.capacity, "over capacity"
             sizes = dict(self._index.sizes)
-        on_disk = {key: self.files.size(self.path(key)) for key in sizes}
+        on_disk = {key: None if (st := self.files.stat(self.path(key))) is None else st.st_size
+                   for key in sizes}
         with self._lock:
             for key, size in sizes.items():
                 if on_disk[key] == size or self._index.sizes.get(key) != size:

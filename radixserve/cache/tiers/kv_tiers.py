@@ -21,25 +21,26 @@ write that fails later prunes the node (sync()).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
 from radixserve.cache.radix_types import Demotion
 from radixserve.cache.tiers import BlockStore, Fingerprint, HostStore, Tier, block_key
-from radixserve.cache.tiers.block_io import BLOCK, MAX_PENDING_BYTES, KVCodec, Store, TierWriter
+from radixserve.cache.tiers.block_io import BLOCK, KVCodec, Store, TierWriter
 from radixserve.cache.tiers.block_loader import BlockRead, LoadDone, TierLoader
 from radixserve.cache.tiers.chain_memo import ChainMemo
 from radixserve.cache.tiers.layered_store import LayeredStore
 from radixserve.cache.tiers.load_choice import Choice, LoadChoice
 from radixserve.cache.tiers.tier_report import BlockTag, TierReport
+from radixserve.cache.tiers.tier_types import PoolPaths, TierHit, TierSettings
 from radixserve.kv_events.publisher import BlockEvent
 
 logger = logging.getLogger(__name__)
@@ -49,39 +50,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class PoolPaths(Protocol):
-    def pool_paths(self) -> Iterator[tuple[array[int], array[int], int, str]]: ...
+class _Write(NamedTuple):
+    """A block to queue: its index on the path, key, event tag, and the tiers lacking it."""
 
-
-@dataclass(frozen=True)
-class TierSettings:
-    local_dir: Path | None
-    local_bytes: int
-    shared_dir: Path | None
-    shared_bytes: int
-    write_policy: str = "write_back"
-    host_bytes: int = 0  # > 0 (CUDA): a host-memory layer above the local disk
-    durable: bool = True  # fsync every block (False: tests)
-    max_pending_bytes: int = MAX_PENDING_BYTES  # captured writes not yet stored
-
-
-@dataclass(frozen=True)
-class TierHit:
-    """Blocks past the pool match that the tiers hold, in order, consecutive."""
-
-    start: int  # the pool match (tokens before it are in the pool)
-    end: int  # the end of the last block held (a multiple of BLOCK)
-    keys: tuple[str, ...]
-    tiers: tuple[Tier, ...]
-    probe: bool = False  # loaded to measure its tier (the choice would have recomputed)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    def block_ends(self) -> list[int]:
-        first = self.start // BLOCK
-        return [(first + i + 1) * BLOCK for i in range(len(self.keys))]
+    block: int
+    key: str
+    tag: BlockTag
+    tiers: list[Tier]
 
 
 def _on_step(fn: Callable[Concatenate[KVTiers, P], R]) -> Callable[Concatenate[KVTiers, P], R]:
@@ -172,24 +147,31 @@ class KVTiers:
             keys.append(key)
             need = [t for t in targets if not self._has(t, key)]
             if need:
-                prev = parent if i == 0 else hashes[i - 1]
-                todo.append((first + i, key, BlockTag(h, prev, ()), need))
-        room = [w for w in todo if self._room(len(w[3]), deadline)]
-        if len(room) < len(todo):
-            self.report.count_error("write_dropped", len(todo) - len(room))
-        if room:
-            blocks = self.codec.snapshot([s for w in room for s in slots[w[0] * BLOCK:
-                                                                          (w[0] + 1) * BLOCK]])
-            for block, (j, key, tag, need) in zip(blocks, room, strict=True):
-                tag = tag._replace(tokens=tuple(tokens[j * BLOCK : (j + 1) * BLOCK]))
-                for t in need:
-                    self.writer.submit(t, key, block, tag)
-        return tuple(keys) if len(room) == len(todo) else None
+                tag = BlockTag(h, parent if i == 0 else hashes[i - 1],
+                               tuple(tokens[(first + i) * BLOCK : (first + i + 1) * BLOCK]))
+                todo.append(_Write(first + i, key, tag, need))
+        queued = 0
+        if deadline is None:  # the blocks that fit now, snapshot together
+            room = self.writer.max_pending_bytes - self.writer.pending_bytes()
+            sizes = itertools.accumulate(len(w.tiers) * self.codec.block_bytes for w in todo)
+            queued = self._submit(todo[: sum(1 for n in sizes if n <= room)], slots)
+        else:  # shutdown: each block as soon as there is room for it
+            for w in todo:
+                if self.writer.wait_room(len(w.tiers) * self.codec.block_bytes, deadline):
+                    queued += self._submit([w], slots)
+        if queued < len(todo):
+            self.report.count_error("write_dropped", len(todo) - queued)
+        return tuple(keys) if queued == len(todo) else None
 
-    def _room(self, num_writes: int, deadline: float | None) -> bool:
-        nbytes = num_writes * self.codec.block_bytes
-        return (self.writer.room(nbytes) if deadline is None
-                else self.writer.wait_room(nbytes, deadline))
+    def _submit(self, writes: list[_Write], slots: array[int]) -> int:
+        if not writes:
+            return 0
+        blocks = self.codec.snapshot([s for w in writes
+                                      for s in slots[w.block * BLOCK : (w.block + 1) * BLOCK]])
+        for block, w in zip(blocks, writes, strict=True):  # block: (2, layers, BLOCK, h, d)
+            for tier in w.tiers:
+                self.writer.submit(tier, w.key, block, w.tag)
+        return len(writes)
 
     def _has(self, tier: Tier, key: str) -> bool:
         return self.stores[tier].contains(key) or self.writer.is_pending(tier, key)

@@ -15,7 +15,8 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.radix_walk import iter_nodes
 from radixserve.cache.tiers import StoreStatus, Tier
 from radixserve.cache.tiers.block_io import KVCodec
-from radixserve.cache.tiers.kv_tiers import KVTiers, TierSettings, fingerprint
+from radixserve.cache.tiers.kv_tiers import KVTiers, fingerprint
+from radixserve.cache.tiers.tier_types import TierSettings
 
 POOL, LAYERS, HEADS, DIM = 512, 1, 1, 4
 NUM_REQUESTS = 10_000
