@@ -15,8 +15,9 @@ Loading them costs, per tier, its tokens' bytes over that tier's rate. The choic
 leading run of blocks that saves the most (host memory ahead of a slow shared directory is
 loaded, the rest recomputed); nothing when nothing saves.
 
-Never latched: a tier the choice skips is probed (loaded anyway) once every PROBE_S, so a slow
-phase that ended is seen; a rate sample after a long gap outweighs the old average.
+Never latched: a tier the choice skips is probed (loaded anyway) once every PROBE_S (or
+PROBE_COST times its last load's length, if longer), so a slow phase that ended is seen; a
+rate sample after a long gap outweighs the old average.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from radixserve.cache.radix_types import Tier
 EMA = 0.2  # weight of a new sample when the last one is recent
 HALF_LIFE_S = 2.0  # a sample this old weighs half against a new one
 PROBE_S = 5.0  # a tier skipped by the choice is loaded anyway this often (measured again)
+PROBE_COST = 10.0  # ... but no sooner than this many times its last load's seconds after it
 FORGET = 0.05  # prefill model: weight each step takes off the older ones
 RIDGE = 1e-9  # keeps the 3x3 fit solvable when every step had the same shape
 MIN_FIT_SAMPLES = 8  # prefill steps before the fixed cost is fitted apart from the per-token
@@ -134,6 +136,7 @@ class LoadChoice:
         self.counts = {t: dict.fromkeys((c.value for c in Choice), 0) for t in tiers}
         self._clock = clock
         self._last_load = dict.fromkeys(tiers, -math.inf)  # when each tier was last loaded
+        self._last_seconds = dict.fromkeys(tiers, 0.0)  # how long that load took
         self.probe_s = PROBE_S
 
     def decide(self, start: int, block_ends: Sequence[int], tiers: Sequence[Tier]) -> Decision:
@@ -153,8 +156,7 @@ class LoadChoice:
                 best_saving = math.inf if unknown or recompute is None else recompute - load_s
         if best:
             return self._note(Decision(Choice.LOAD, best), tiers)
-        now = self._clock()
-        due = [t for t in dict.fromkeys(tiers) if now - self._last_load[t] >= self.probe_s]
+        due = [t for t in dict.fromkeys(tiers) if self.probe_due_in(t) <= 0]
         if due:  # load the run of the tier due for a measurement
             n = next(j for j, t in enumerate(tiers) if t == due[0])
             n += next((k for k, t in enumerate(tiers[n:]) if t != due[0]), len(tiers) - n)
@@ -169,7 +171,15 @@ class LoadChoice:
             self.counts[t][Choice.RECOMPUTE.value] += 1
         return decision
 
+    def probe_due_in(self, tier: Tier) -> float:
+        """Seconds until `tier` may be probed: PROBE_S after its last load ended, and at least
+        PROBE_COST times that load's length (a slow tier's probes stay a small share)."""
+        wait = max(self.probe_s, PROBE_COST * self._last_seconds[tier])
+        return self._last_load[tier] + wait - self._clock()
+
     def note_load(self, bytes_by_tier: dict[Tier, int], seconds_by_tier: dict[Tier, float]
                   ) -> None:
         for tier, nbytes in bytes_by_tier.items():
-            self.rates[tier].add(nbytes, seconds_by_tier.get(tier, 0.0))
+            seconds = seconds_by_tier.get(tier, 0.0)
+            self.rates[tier].add(nbytes, seconds)
+            self._last_load[tier], self._last_seconds[tier] = self._clock(), seconds

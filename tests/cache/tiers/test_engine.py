@@ -184,13 +184,13 @@ def test_a_slow_phase_then_a_fast_phase_resumes_loading(tier_model: Path,
     store = tiers.stores[Tier.LOCAL]
     assert isinstance(store, BlockStore)
     assert tiers.writer.flush()  # the demoted blocks are files, not pending writes
-    tiers.choice.probe_s = 3.0  # the default (5 s) makes the test slow, not different
+    tiers.choice.probe_s = 2.0  # the default (5 s) makes the test slow, not different
     store.files.delay_s = 0.05  # slow phase: 50 ms per file operation
     _, first = run(llm, batch[:1], check=False)  # nothing measured says load: measured slow
     _, slow = run(llm, batch[1:2], check=False)
     assert first == [288] and slow == [0], (first, slow)  # recomputed: cheaper than 18 reads
     store.files.delay_s = 0.0  # fast phase
-    time.sleep(tiers.choice.probe_s)
+    time.sleep(max(0.0, tiers.choice.probe_due_in(Tier.LOCAL)))
     _, fast = run(llm, batch[2:])  # a probe, then an ordinary load
     assert fast == [288, 288], fast
     counts = tiers.choice.counts[Tier.LOCAL]

@@ -72,14 +72,18 @@ def test_unmeasured_loads_slow_recomputes_and_probes_resume_loading() -> None:
     choice.note_load({Tier.LOCAL: 256 * PER_TOKEN}, {Tier.LOCAL: 1.0})  # a slow load
     clock.now += 0.1
     assert choice.decide(0, ends, tiers).choice is Choice.RECOMPUTE
-    # The slow phase ends; no load measures it until the probe is due.
-    clock.now += PROBE_S
+    # The slow phase ends; no load measures it until the probe is due: PROBE_S, or ten
+    # times the last (slow) load's second, whichever is longer.
+    assert choice.probe_due_in(Tier.LOCAL) == pytest.approx(max(PROBE_S, 10.0) - 0.1)
+    clock.now += choice.probe_due_in(Tier.LOCAL) - 0.5
+    assert choice.decide(0, ends, tiers).choice is Choice.RECOMPUTE
+    clock.now += 0.5
     probe = choice.decide(0, ends, tiers)
     assert (probe.choice, probe.num_blocks) == (Choice.PROBE, 1)
     choice.note_load({Tier.LOCAL: 256 * PER_TOKEN}, {Tier.LOCAL: 0.001})  # fast again
     clock.now += 0.1
     assert choice.decide(0, ends, tiers).choice is Choice.LOAD
-    assert choice.counts[Tier.LOCAL] == {"load": 2, "probe": 1, "recompute": 1}
+    assert choice.counts[Tier.LOCAL] == {"load": 2, "probe": 1, "recompute": 2}
 
 
 def test_a_rate_follows_a_new_sample_more_the_longer_the_gap() -> None:
