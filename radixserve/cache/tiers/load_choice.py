@@ -16,7 +16,8 @@ leading run of blocks that saves the most (host memory ahead of a slow shared di
 loaded, the rest recomputed); nothing when nothing saves.
 
 Never latched: a tier the choice skips is probed (loaded anyway) once every PROBE_S (or
-PROBE_COST times its last load's length, if longer), so a slow phase that ended is seen; a
+PROBE_COST times its last load's length, if longer, up to PROBE_MAX_S), so a slow phase that
+ended is seen within a minute; a
 rate sample after a long gap outweighs the old average.
 """
 
@@ -36,6 +37,7 @@ EMA = 0.2  # weight of a new sample when the last one is recent
 HALF_LIFE_S = 2.0  # a sample this old weighs half against a new one
 PROBE_S = 5.0  # a tier skipped by the choice is loaded anyway this often (measured again)
 PROBE_COST = 10.0  # ... but no sooner than this many times its last load's seconds after it
+PROBE_MAX_S = 30.0  # ... and never later than this (loads resume within a minute)
 FORGET = 0.05  # prefill model: weight each step takes off the older ones
 RIDGE = 1e-9  # keeps the 3x3 fit solvable when every step had the same shape
 MIN_FIT_SAMPLES = 8  # prefill steps before the fixed cost is fitted apart from the per-token
@@ -172,9 +174,10 @@ class LoadChoice:
         return decision
 
     def probe_due_in(self, tier: Tier) -> float:
-        """Seconds until `tier` may be probed: PROBE_S after its last load ended, and at least
-        PROBE_COST times that load's length (a slow tier's probes stay a small share)."""
-        wait = max(self.probe_s, PROBE_COST * self._last_seconds[tier])
+        """Seconds until `tier` may be probed: PROBE_S after its last load ended, or PROBE_COST
+        times that load's length (a slow tier's probes stay a small share), at most
+        PROBE_MAX_S."""
+        wait = min(max(self.probe_s, PROBE_COST * self._last_seconds[tier]), PROBE_MAX_S)
         return self._last_load[tier] + wait - self._clock()
 
     def note_load(self, bytes_by_tier: dict[Tier, int], seconds_by_tier: dict[Tier, float]
