@@ -69,6 +69,11 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
      f"when the local tier is written: {' | '.join(KV_OFFLOAD_WRITE_POLICIES)}"),
     ("--kv-offload-host-size", float, "kv_offload_host_size",
      "CUDA: GiB of pinned host memory above the local tier's disk (default 4)"),
+    ("--kv-shared-size", float, "kv_shared_size",
+     "this replica's bound on the shared tier in GiB (default 16); it deletes only its own "
+     "model's blocks, never one any replica read in the last minute"),
+    ("--kv-offload-shutdown-timeout", float, "kv_offload_shutdown_timeout",
+     "seconds a clean shutdown waits for pending tier writes (default 30); the rest is logged"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),

@@ -73,13 +73,20 @@ class Offloading:
 
     def _evict_node(self, node: TreeNode) -> None:
         """Offload node (the tiers took its KV, or its offloaded children still need its
-        tokens as their path) or remove it. Its pages are the caller's to free."""
+        tokens as their path) or remove it. Its pages are the caller's to free.
+
+        No ghosts: a node whose blocks the tiers could not take (Demotion tier None: a write
+        dropped) is removed with its offloaded subtree, whose hash chain runs through the lost
+        blocks (no load can reach it), as if the tiers had never been tried."""
         demoted = None
         if self._tiers is not None:
             path = path_concat(node, values=False)
             demoted = self._tiers.on_evict(path, path_concat(node, values=True),
                                            len(path) - len(node.key), node.salt)
-        tier = None if demoted is None else demoted.tier
+        if demoted is not None and demoted.tier is None:
+            for child in list(node.children.values()):
+                self._drop_offloaded(child)
+        tier = None if demoted is None or not demoted.block_keys else demoted.tier
         if tier is None and node.children:
             tier = next(iter(node.children.values())).tier
         if tier is None:

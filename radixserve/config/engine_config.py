@@ -90,6 +90,10 @@ class EngineConfig:
     # False (vLLM's default, xgrammar's): a JSON schema's objects generate only the properties
     # they name unless they ask for more; True: JSON Schema's own default (grammar_text.py).
     structured_outputs_allow_additional_properties: bool = False
+    kv_shared_size: float = 16.0  # this replica's bound on the shared tier (GiB)
+    # A clean shutdown writes every pending tier block within this many seconds (or logs
+    # how many it dropped).
+    kv_offload_shutdown_timeout: float = 30.0
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -159,9 +163,14 @@ class EngineConfig:
                               "kv_cache_memory_bytes, not both")
 
     def _check_tiers(self) -> None:
-        if not self.kv_offload_size > 0 or not self.kv_offload_host_size > 0:
-            raise ConfigError(f"kv_offload_size and kv_offload_host_size must be > 0 GiB, got "
-                              f"{self.kv_offload_size} and {self.kv_offload_host_size}")
+        sizes = {"kv_offload_size": self.kv_offload_size, "kv_shared_size": self.kv_shared_size,
+                 "kv_offload_host_size": self.kv_offload_host_size}
+        for name, gib in sizes.items():
+            if not gib > 0:
+                raise ConfigError(f"{name} must be > 0 GiB, got {gib}")
+        if not self.kv_offload_shutdown_timeout >= 0:
+            raise ConfigError(f"kv_offload_shutdown_timeout must be >= 0 s, got "
+                              f"{self.kv_offload_shutdown_timeout}")
         if self.kv_offload_write_policy not in KV_OFFLOAD_WRITE_POLICIES:
             raise ConfigError(f"unknown kv_offload_write_policy "
                               f"{self.kv_offload_write_policy!r}; supported: "

@@ -39,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005  # an engine with nothing to run but grammars compiling sleeps this long
 MAX_TIMINGS = 4096  # requests whose step timings are kept (oldest dropped first)
-# A clean shutdown waits this long for the pool to reach the local tier (write-back); within
-# the API process's engine shutdown timeout. What is not written by then is only not warm.
-PERSIST_TIMEOUT_S = 8.0
 
 
 @dataclass
@@ -144,6 +141,8 @@ class Engine:
             self.scheduler.spec.observe_step(batch, outputs, time.perf_counter() - t0)
         if self._pin_prefills:
             outputs = [o for o in outputs if not self._pin_prefill_done(o)]
+        if self.tiers is not None:
+            self.tiers.end_step()  # the step's tier work joins the step-wait histogram
         return outputs
 
     def flush_cache(self, include_pins: bool = False) -> bool:
@@ -152,9 +151,12 @@ class Engine:
     def _note_step(self, batch: Batch, seconds: float) -> None:
         """The engine's own prefill timings: the tiers' prefill rate, and per request the
         seconds of the steps that computed its prompt (a step's time shared by tokens)."""
-        if batch.phase is Phase.DECODE or self.tiers is None:
+        if self.tiers is None or batch.phase is Phase.DECODE:
             return  # tiers off: nothing reads the timings, so a step pays nothing for them
-        self.tiers.note_prefill(batch.num_tokens, seconds)
+        # The prefill cost model's sample: the step's tokens and their mean position.
+        pos = sum(e.num_new_tokens * (e.req.num_computed_tokens + e.num_new_tokens / 2)
+                  for e in batch.entries)
+        self.tiers.note_prefill(batch.num_tokens, pos / batch.num_tokens, seconds)
         for i, entry in enumerate(batch.entries):
             if batch.is_prefill(i):
                 t = self.timings.setdefault(entry.req.rid, RequestTiming())
@@ -170,9 +172,10 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tier threads; with write-back, first write the pool's blocks to the local
-        tier so that the next process starts warm (write-through already did)."""
+        tier so that the next process starts warm (write-through already did), within
+        --kv-offload-shutdown-timeout; what is not written by then is logged."""
         if self.tiers is not None:
-            self.tiers.persist(self.cache, PERSIST_TIMEOUT_S)
+            self.tiers.persist(self.cache, self.cfg.kv_offload_shutdown_timeout)
             self.tiers.close()
             self.tiers = None
 

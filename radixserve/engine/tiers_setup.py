@@ -12,7 +12,8 @@ import torch
 import xxhash
 
 from radixserve.cache.tiers.block_io import KVCodec
-from radixserve.cache.tiers.kv_tiers import KVTiers, TierSettings, fingerprint
+from radixserve.cache.tiers.kv_tiers import KVTiers, fingerprint
+from radixserve.cache.tiers.tier_types import TierSettings
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.kv_events.publisher import MEDIUM_CPU, MEDIUM_GPU
@@ -75,11 +76,10 @@ def build_tiers(cfg: EngineConfig, runner: ModelRunner) -> KVTiers | None:
     identity = model_identity(runner.resolved.name, runner.resolved.hf_dir) + kv_format_identity(
         runner)
     fp = fingerprint(identity, runner.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    size = int(cfg.kv_offload_size * GIB)
     settings = TierSettings(
         local_dir=None if cfg.kv_offload_dir is None else Path(cfg.kv_offload_dir),
-        local_bytes=size,
+        local_bytes=int(cfg.kv_offload_size * GIB),
         shared_dir=None if cfg.kv_shared_dir is None else Path(cfg.kv_shared_dir),
-        shared_bytes=size, write_policy=cfg.kv_offload_write_policy,
+        shared_bytes=int(cfg.kv_shared_size * GIB), write_policy=cfg.kv_offload_write_policy,
         host_bytes=int(cfg.kv_offload_host_size * GIB) if runner.device.type == "cuda" else 0)
     return KVTiers(settings, fp, KVCodec(runner.pool.k, runner.pool.v), cfg.enable_kv_events)

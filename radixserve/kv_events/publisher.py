@@ -64,9 +64,12 @@ def is_pool_medium(medium: str | None) -> bool:
     return medium in POOL_MEDIUMS
 
 
-def chained_hashes(chunks: Iterable[bytes], salt: str = "") -> list[int]:
-    """h_{-1} = xxh64(salt); h_i = xxh64(h_{i-1} as 8 bytes LE + chunk_i); seed 0 throughout."""
-    prev = xxhash.xxh64_intdigest(salt.encode("utf-8"), seed=_HASH_SEED)
+def chained_hashes(chunks: Iterable[bytes], salt: str = "", parent: int | None = None
+                   ) -> list[int]:
+    """h_{-1} = xxh64(salt); h_i = xxh64(h_{i-1} as 8 bytes LE + chunk_i); seed 0 throughout.
+    `parent`: the hash of the block before the first chunk (the chain continues from it)."""
+    prev = (xxhash.xxh64_intdigest(salt.encode("utf-8"), seed=_HASH_SEED) if parent is None
+            else parent)
     out: list[int] = []
     for chunk in chunks:
         prev = xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + chunk, seed=_HASH_SEED)

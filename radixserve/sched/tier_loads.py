@@ -1,8 +1,10 @@
-"""TierLoads: waiting requests whose prefix continues in a tier below the pool, while their
-blocks are read back into the pool on a worker thread.
+"""TierLoads: waiting requests whose prefix is being read back from a tier into the pool.
+
+While their blocks are read back on a worker thread, the requests wait in the queue.
 
 Owns: the loads in flight (the pool pages each one holds, the tree lock on its pool match) and
-the decision to start one. A request waits in the queue while its load runs, as it waits for
+starting one for the part of a hit the tiers' load-or-recompute choice keeps
+(cache/tiers/load_choice.py: per tier and per request, never latched off). A request waits in the queue while its load runs, as it waits for
 its grammar (the batch keeps stepping); when the load ends, the loaded tokens enter the tree
 and the request is admitted as an ordinary pool hit, so admission, chunking and the page
 invariant stay as they are. Pages are held by the load, not the request (the request holds
@@ -17,8 +19,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from radixserve.cache.radix_cache import TreeNode
-from radixserve.cache.tiers.block_io import LoadDone
-from radixserve.cache.tiers.kv_tiers import KVTiers, TierHit
+from radixserve.cache.tiers.block_loader import LoadDone
+from radixserve.cache.tiers.kv_tiers import KVTiers
+from radixserve.cache.tiers.tier_types import TierHit
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.req import Req
 
@@ -84,7 +87,7 @@ class TierLoads:
             self.mem.cache.prune_tier_keys(gone)
         for load in [o for o in self.orphans if o.future.done()]:
             self.orphans.remove(load)
-            self._release(load, keep=0)
+            self._release(load)
 
     def busy(self) -> bool:
         return bool(self.loads or self.orphans)
@@ -112,7 +115,8 @@ class TierLoads:
         or the pool has no room for them now)."""
         cache, query = self.mem.cache, self._query(req)
         hit = self.tiers.probe(query, req.cache_salt, pool_len)
-        if hit is None or not self.tiers.worth_loading(hit.num_tokens):
+        hit = None if hit is None else self.tiers.choose(hit)
+        if hit is None:
             return False
         if any(hit.keys[0] in ld.keys for ld in (*self.loads.values(), *self.orphans)):
             return None
@@ -151,10 +155,11 @@ class TierLoads:
             if dup:
                 self.mem.free_slots(load.slots[:dup])
             load.slots = load.slots[n:]
-        self._release(load, keep=0)
+        self._release(load)
 
-    def _release(self, load: PendingLoad, keep: int) -> None:
+    def _release(self, load: PendingLoad) -> None:
+        """Unlock the load's pool match and free the pages it did not fill."""
         self.mem.cache.unlock(load.node)
-        if load.slots[keep:]:
-            self.mem.free_slots(load.slots[keep:])
+        if load.slots:
+            self.mem.free_slots(load.slots)
         load.slots = []

@@ -81,7 +81,10 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     for task in (load_task, stats_task):
         task.cancel()
     await asyncio.gather(load_task, stats_task, return_exceptions=True)
-    await state.client.shutdown()
+    engine = state.cfg.engine
+    # The engine's clean exit may wait for its tier writes (--kv-offload-shutdown-timeout).
+    await state.client.shutdown(10.0 + (engine.kv_offload_shutdown_timeout
+                                        if engine.kv_tiers_enabled else 0.0))
 
 
 async def _kv_events_disabled(request: web.Request) -> web.Response:

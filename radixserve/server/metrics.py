@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -132,13 +133,41 @@ def _tier_metrics(tiers: dict[str, Any] | None) -> Iterator[Metric]:
     for kind, n in sorted(tiers.get("errors", {}).items()):
         errors.add_metric([kind], float(n))
     yield errors
+    yield from _tier_choice_metrics(tiers)
     for name, key, doc in (
             ("kv_offload_load_bytes_per_second", "load_bytes_per_s",
-             "Measured tier load bandwidth (running average)."),
+             "Measured tier load bandwidth (running average; the fastest tier)."),
             ("kv_offload_prefill_tokens_per_second", "prefill_tokens_per_s",
              "Measured prefill rate the load-or-recompute decision compares against.")):
         if tiers.get(key) is not None:
             yield GaugeMetricFamily(PREFIX + name, doc, value=float(tiers[key]))
+
+
+def _tier_choice_metrics(tiers: dict[str, Any]) -> Iterator[Metric]:
+    """Per-tier load-or-recompute choices and load rates, and the step-wait histogram."""
+    choices = CounterMetricFamily(
+        PREFIX + "kv_offload_choices", "Load-or-recompute choices per tier: load (cheaper), "
+        "probe (loaded to measure the tier again), recompute.", labels=["tier", "choice"])
+    rates = GaugeMetricFamily(PREFIX + "kv_offload_tier_load_bytes_per_second",
+                              "Measured load bandwidth of each tier.", labels=["tier"])
+    for tier, values in sorted(tiers.get("tiers", {}).items()):
+        for choice, n in sorted((values.get("choices_total") or {}).items()):
+            choices.add_metric([tier, choice], float(n))
+        if values.get("load_bytes_per_s") is not None:
+            rates.add_metric([tier], float(values["load_bytes_per_s"]))
+    yield choices
+    yield rates
+    wait = tiers.get("step_wait")
+    if wait:
+        cumulative, buckets = 0, []
+        for bound, n in zip([*wait["buckets"], float("inf")], wait["counts"], strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
+                            float(cumulative)))
+        yield HistogramMetricFamily(
+            PREFIX + "kv_offload_step_wait_seconds", "Time each engine step spent on tier "
+            "work (probes, snapshots of written blocks, write results).",
+            buckets=buckets, sum_value=float(wait["sum"]))
 
 
 class ServerMetrics:

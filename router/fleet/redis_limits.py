@@ -1,5 +1,6 @@
-"""Per-key limits counted in one Redis for every router (`--redis-url`): exact fleet-wide rpm,
-tpm and max_concurrency however the routers share the traffic.
+"""Per-key limits counted in one Redis for every router (`--redis-url`).
+
+Exact fleet-wide rpm, tpm and max_concurrency however the routers share the traffic.
 
 Owns: the Redis keys and the two Lua scripts (atomic: a check and its charge are one step for
 every router), the fallback state (Redis unreachable: say so once, count it, retry after a

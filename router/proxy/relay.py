@@ -1,5 +1,4 @@
-"""Relaying one upstream answer under deadlines: the waits of a request and what a timeout
-answers.
+"""Relaying one upstream answer under deadlines, and what a timeout answers.
 
 Owns: Deadlines (the first-byte, whole-request and stall bounds of one request, as loop
 times), the OpenAI error answers of the proxy (`error_response`, the 504 of a timeout, the SSE

@@ -1,8 +1,8 @@
 """HostStore: KV blocks in host memory with an LRU byte bound (the tier above the disk on CUDA).
 
 Owns: one uint8 buffer per block, their LRU order and byte bound. Buffers are pinned host
-memory when CUDA is available (so a load is one async H2D copy, and a demotion one D2H copy
-straight into it: get_buffer / put_tensor), plain memory otherwise. Does not know: the disk
+memory when CUDA is available (so a load is one async H2D copy straight from it: the loader
+reads get_buffer()), plain memory otherwise. Does not know: the disk
 tier below it (the tree demotes what take_evicted() reports), what a payload means.
 
 Same contract as BlockStore (put/get/contains/delete/keys/take_evicted/stats/check_integrity)
@@ -53,12 +53,6 @@ class HostStore(IndexedStore):
 
         return self._put(key, len(view), fill)
 
-    def put_tensor(self, key: str, src: torch.Tensor) -> StoreStatus:
-        """Store the bytes of a contiguous tensor (any device; a CUDA one is copied D2H, and
-        the copy is complete when this returns)."""
-        flat = src.contiguous().view(torch.uint8).reshape(-1)  # (nbytes,)
-        return self._put(key, flat.numel(), lambda buf: buf.copy_(flat))
-
     def _put(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], object]) -> StoreStatus:
         t0 = time.perf_counter()
         with self._lock:
@@ -89,8 +83,8 @@ class HostStore(IndexedStore):
     # -- get / delete --------------------------------------------------------------------------
 
     def get_buffer(self, key: str) -> torch.Tensor | None:
-        """The block's own buffer (no copy; pinned on CUDA, so `.to(dev, non_blocking=True)`
-        overlaps), or None. Counts a hit/miss and touches the LRU like get(). The buffer is
+        """The block's own buffer (no copy; pinned on CUDA, so the loader's
+        `.to(dev, non_blocking=True)` overlaps), or None. Counts a hit/miss and touches the LRU like get(). The buffer is
         not reused after eviction (a new one is allocated per put), so holding it is safe."""
         t0 = time.perf_counter()
         with self._lock:
@@ -120,7 +114,7 @@ class HostStore(IndexedStore):
             self._index.remove(key)
             self._bufs.pop(key, None)
 
-    def refresh(self) -> None:
+    def refresh(self, full: bool = True) -> None:
         """Nothing to re-scan in memory (present so either store can be refreshed)."""
 
     def check_integrity(self) -> None:

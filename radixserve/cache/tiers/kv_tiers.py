@@ -1,116 +1,77 @@
-"""KVTiers: the local tier (--kv-offload-dir) and the shared tier (--kv-shared-dir) below the
-KV pool, as the radix tree and the scheduler see them.
+"""KVTiers: the local and shared tiers below the KV pool, as the tree and scheduler see them.
+
+The local tier is --kv-offload-dir, the shared tier --kv-shared-dir.
 
 Owns: the stores, the block keys (kv_events chain hash, tenant salt included, + the model
 fingerprint), what is written when (the write policy), the probe that continues a pool match
-block by block through the tiers, the load-or-recompute decision (measured load bandwidth
-against the measured prefill rate), the tier counters and the tier block events. Does not know:
-requests or pages as allocations (sched/tier_loads.py), the tree's shape (it is the tree's
-TierHooks: the tree tells it what was inserted and what is evicted).
+block by block through the tiers, the tier counters, the tier block events, and the time the
+step spends on tier work. Does not know: requests or pages as allocations
+(sched/tier_loads.py), the tree's shape (it is the tree's TierHooks: the tree tells it what
+was inserted and what is evicted), how the load-or-recompute choice is made (load_choice.py).
 
 Blocks: BLOCK (16) tokens at absolute positions [16j, 16j + 16), full blocks only. A block
 belongs to the node its last token is in, so the tree's nodes split the blocks without overlap.
 Write policy: "write_back" snapshots an evicted node's blocks into the local tier;
 "write_through" writes every completed block when it enters the tree. The shared tier is
-always written through (published as soon as a block is computed, off the step).
+always written through (published as soon as a block is computed, off the step), under its
+own subdirectory per model fingerprint (replicas of other models never see its blocks).
+No ghost nodes: an evicted node is offloaded only when every one of its blocks is held or
+queued in the tier; a block that was dropped (writer full) makes the eviction a removal, and a
+write that fails later prunes the node (sync()).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
 from radixserve.cache.radix_types import Demotion
-from radixserve.cache.tiers import (
-    BlockStore,
-    Fingerprint,
-    HostStore,
-    MissReason,
-    StoreStatus,
-    Tier,
-    block_key,
-)
-from radixserve.cache.tiers.block_io import (
-    BLOCK,
-    BlockRead,
-    KVCodec,
-    LoadDone,
-    Store,
-    TierLoader,
-    TierWriter,
-)
+from radixserve.cache.tiers import BlockStore, Fingerprint, HostStore, Tier, block_key
+from radixserve.cache.tiers.block_io import BLOCK, KVCodec, Store, TierWriter
+from radixserve.cache.tiers.block_loader import BlockRead, LoadDone, TierLoader
+from radixserve.cache.tiers.chain_memo import ChainMemo
 from radixserve.cache.tiers.layered_store import LayeredStore
-from radixserve.kv_events.publisher import (
-    MEDIUM_LOCAL_DISK,
-    MEDIUM_SHARED,
-    BlockEvent,
-    BlockRemoved,
-    BlockStored,
-    block_hashes,
-)
+from radixserve.cache.tiers.load_choice import Choice, LoadChoice
+from radixserve.cache.tiers.tier_report import BlockTag, TierReport
+from radixserve.cache.tiers.tier_types import PoolPaths, TierHit, TierSettings
+from radixserve.kv_events.publisher import BlockEvent
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_back", "write_through")
-MEDIUMS = {Tier.LOCAL: MEDIUM_LOCAL_DISK, Tier.SHARED: MEDIUM_SHARED}
-EMA = 0.2  # weight of the newest measurement in the running averages
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-class BlockTag(NamedTuple):
-    """What a finished write needs to announce its block (kv_events)."""
+class _Write(NamedTuple):
+    """A block to queue: its index on the path, key, event tag, and the tiers lacking it."""
 
-    chain_hash: int
-    parent: int | None
-    tokens: tuple[int, ...]
-
-
-class PoolPaths(Protocol):
-    def pool_paths(self) -> Iterator[tuple[array[int], array[int], int, str]]: ...
+    block: int
+    key: str
+    tag: BlockTag
+    tiers: list[Tier]
 
 
-@dataclass(frozen=True)
-class TierSettings:
-    local_dir: Path | None
-    local_bytes: int
-    shared_dir: Path | None
-    shared_bytes: int
-    write_policy: str = "write_back"
-    host_bytes: int = 0  # > 0 (CUDA): a host-memory layer above the local disk
-    durable: bool = True  # fsync every block (False: tests)
+def _on_step(fn: Callable[Concatenate[KVTiers, P], R]) -> Callable[Concatenate[KVTiers, P], R]:
+    """Count the call's time as the step's wait on tier work (the engine thread's calls)."""
 
+    def timed(self: KVTiers, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.report.step_wait += time.perf_counter() - t0
 
-@dataclass(frozen=True)
-class TierHit:
-    """Blocks past the pool match that the tiers hold, in order, consecutive."""
-
-    start: int  # the pool match (tokens before it are in the pool)
-    end: int  # the end of the last block held (a multiple of BLOCK)
-    keys: tuple[str, ...]
-    tiers: tuple[Tier, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-class RateAverage:
-    """A running average of a rate (amount / seconds); None until measured."""
-
-    def __init__(self) -> None:
-        self.rate: float | None = None
-
-    def add(self, amount: float, seconds: float) -> None:
-        if amount <= 0 or seconds <= 0:
-            return
-        r = amount / seconds
-        self.rate = r if self.rate is None else (1 - EMA) * self.rate + EMA * r
+    timed.__doc__ = fn.__doc__
+    return timed
 
 
 class KVTiers:
@@ -127,24 +88,20 @@ class KVTiers:
                               durable=settings.durable)
             self.stores[Tier.LOCAL] = disk if settings.host_bytes <= 0 else LayeredStore(
                 HostStore(settings.host_bytes, fp, Tier.LOCAL), disk)
-        if settings.shared_dir is not None:
-            self.stores[Tier.SHARED] = BlockStore(settings.shared_dir, settings.shared_bytes, fp,
-                                                  Tier.SHARED, durable=settings.durable)
+        if settings.shared_dir is not None:  # one subdirectory per model fingerprint
+            self.stores[Tier.SHARED] = BlockStore(shared_namespace(settings.shared_dir, fp),
+                                                  settings.shared_bytes, fp, Tier.SHARED,
+                                                  durable=settings.durable)
         shared = [s for t, s in self.stores.items() if t is Tier.SHARED]
-        self.writer = TierWriter(self.stores, refresh=shared)
+        self.writer = TierWriter(self.stores, shared, settings.max_pending_bytes)
         self.loader = TierLoader(codec, self.stores, self.writer.pending)
-        self.load_rate = RateAverage()  # bytes/s of whole loads, as the worker measured them
-        self.prefill_rate = RateAverage()  # tokens/s of prefill, from the engine's step timings
-        self.hit_tokens = dict.fromkeys(self.stores, 0)
-        self.errors: dict[str, int] = {}
-        self.load_seconds = 0.0
-        self.num_loads = 0
-        self._emit = emit_events
-        self.events: list[BlockEvent] = []
-        self._hash_of: dict[str, int] = {}  # keys this process stored -> chain hash (events)
+        self.choice = LoadChoice(list(self.stores), codec.bytes_per_token)
+        self.report = TierReport(self.stores, self.choice, emit_events)
+        self._memo = ChainMemo()
 
     # ---- the tree's hooks (step thread; the pages still hold the node's KV) --------------------
 
+    @_on_step
     def on_insert(self, tokens: array[int], slots: array[int], start: int, salt: str) -> None:
         targets = [Tier.SHARED] if Tier.SHARED in self.stores else []
         if self.settings.write_policy == "write_through" and Tier.LOCAL in self.stores:
@@ -152,60 +109,88 @@ class KVTiers:
         if targets:
             self._write_blocks(tokens, slots, start, salt, targets)
 
+    @_on_step
     def on_evict(self, tokens: array[int], slots: array[int], start: int, salt: str
                  ) -> Demotion:
+        """Offload the node when its tier holds (or is writing) every one of its blocks;
+        otherwise it is removed (no ghost: the tree never names a block no tier will hold)."""
         if Tier.LOCAL in self.stores:
             tier = Tier.LOCAL
             if self.settings.write_policy == "write_back":
-                return Demotion(tier, self._write_blocks(tokens, slots, start, salt, [tier]))
+                keys = self._write_blocks(tokens, slots, start, salt, [tier])
+                return Demotion(tier if keys else None, keys or ())
         elif Tier.SHARED in self.stores:
             tier = Tier.SHARED  # written through on insert
         else:
             return Demotion(None, ())
-        first, end = start // BLOCK, len(tokens) // BLOCK
-        hashes = block_hashes(tokens[: end * BLOCK], BLOCK, salt)[first:]
-        return Demotion(tier if hashes else None, tuple(block_key(h, self.fp) for h in hashes))
+        _, hashes = self._span(tokens, start, salt)
+        keys = tuple(block_key(h, self.fp) for h in hashes)
+        if not keys or not all(self._has(tier, k) for k in keys):
+            return Demotion(None, ())
+        return Demotion(tier, keys)
+
+    def _span(self, tokens: Sequence[int], start: int, salt: str
+              ) -> tuple[int | None, list[int]]:
+        """(the parent's chain hash, the chain hashes of the blocks ending in [start, end))."""
+        return self._memo.span(tokens, salt, start // BLOCK, len(tokens) // BLOCK)
 
     def _write_blocks(self, tokens: array[int], slots: array[int], start: int, salt: str,
-                      targets: list[Tier]) -> tuple[str, ...]:
-        """Queue the blocks ending in [start, len(tokens)) for `targets`; returns their keys."""
-        first, end = start // BLOCK, len(tokens) // BLOCK
-        if first >= end:
-            return ()
-        hashes = block_hashes(tokens[: end * BLOCK], BLOCK, salt)
-        keys = []
-        for j in range(first, end):
-            key = block_key(hashes[j], self.fp)
+                      targets: list[Tier], deadline: float | None = None
+                      ) -> tuple[str, ...] | None:
+        """Queue the blocks ending in [start, len(tokens)) for `targets`. Returns their keys,
+        or None when a block was dropped (the writer is full; with a `deadline`, shutdown,
+        it waits for room until then). Only blocks that will be written are copied."""
+        parent, hashes = self._span(tokens, start, salt)
+        first = start // BLOCK
+        keys, todo = [], []
+        for i, h in enumerate(hashes):
+            key = block_key(h, self.fp)
             keys.append(key)
-            todo = [t for t in targets if not self._has(t, key)]
-            if not todo:
-                continue
-            snap = self.codec.snapshot(slots[j * BLOCK : (j + 1) * BLOCK])
-            tag = BlockTag(hashes[j], hashes[j - 1] if j else None,
-                           tuple(tokens[j * BLOCK : (j + 1) * BLOCK]))
-            for t in todo:
-                if not self.writer.submit(t, key, snap, tag):
-                    self._count_error("write_dropped")
-        return tuple(keys)
+            need = [t for t in targets if not self._has(t, key)]
+            if need:
+                tag = BlockTag(h, parent if i == 0 else hashes[i - 1],
+                               tuple(tokens[(first + i) * BLOCK : (first + i + 1) * BLOCK]))
+                todo.append(_Write(first + i, key, tag, need))
+        queued = 0
+        if deadline is None:  # the blocks that fit now, snapshot together
+            room = self.writer.max_pending_bytes - self.writer.pending_bytes()
+            sizes = itertools.accumulate(len(w.tiers) * self.codec.block_bytes for w in todo)
+            queued = self._submit(todo[: sum(1 for n in sizes if n <= room)], slots)
+        else:  # shutdown: each block as soon as there is room for it
+            for w in todo:
+                if self.writer.wait_room(len(w.tiers) * self.codec.block_bytes, deadline):
+                    queued += self._submit([w], slots)
+        if queued < len(todo):
+            self.report.count_error("write_dropped", len(todo) - queued)
+        return tuple(keys) if queued == len(todo) else None
+
+    def _submit(self, writes: list[_Write], slots: array[int]) -> int:
+        if not writes:
+            return 0
+        blocks = self.codec.snapshot([s for w in writes
+                                      for s in slots[w.block * BLOCK : (w.block + 1) * BLOCK]])
+        for block, w in zip(blocks, writes, strict=True):  # block: (2, layers, BLOCK, h, d)
+            for tier in w.tiers:
+                self.writer.submit(tier, w.key, block, w.tag)
+        return len(writes)
 
     def _has(self, tier: Tier, key: str) -> bool:
-        return self.stores[tier].contains(key) or self.writer.pending(tier, key) is not None
+        return self.stores[tier].contains(key) or self.writer.is_pending(tier, key)
 
     # ---- matching and loading ----------------------------------------------------------------
 
+    @_on_step
     def probe(self, token_ids: Sequence[int], salt: str, start: int) -> TierHit | None:
         """The blocks after the pool match `start` (token_ids is what may be matched: the
         prompt without its last token) that some tier holds, consecutive from the block
         containing `start`; None when the next block is nowhere."""
-        end = len(token_ids) // BLOCK
-        first = start // BLOCK
-        if first >= end or not self.stores:
+        if not self.stores:
             return None
-        hashes = block_hashes(token_ids[: end * BLOCK], BLOCK, salt)
+        first = start // BLOCK
         keys: list[str] = []
         tiers: list[Tier] = []
-        for j in range(first, end):
-            key = block_key(hashes[j], self.fp)
+        for h in self._span(token_ids, start - start % BLOCK, salt)[1]:
+            key = block_key(h, self.fp)
             tier = next((t for t in self.stores if self._has(t, key)), None)
             if tier is None:
                 break
@@ -215,120 +200,79 @@ class KVTiers:
             return None
         return TierHit(start, (first + len(keys)) * BLOCK, tuple(keys), tuple(tiers))
 
-    def worth_loading(self, num_tokens: int) -> bool:
-        """Load when the measured load time beats the measured recompute time. Until both are
-        measured, load (loading is what measures it)."""
-        load, prefill = self.load_rate.rate, self.prefill_rate.rate
-        if load is None or prefill is None or num_tokens <= 0:
-            return num_tokens > 0
-        return num_tokens * self.codec.bytes_per_token / load < num_tokens / prefill
+    @_on_step
+    def choose(self, hit: TierHit) -> TierHit | None:
+        """The part of `hit` worth loading (load_choice.py), or None: recompute it all."""
+        decision = self.choice.decide(hit.start, hit.block_ends(), hit.tiers)
+        n = decision.num_blocks
+        if n == 0:
+            return None
+        return TierHit(hit.start, hit.block_ends()[n - 1], hit.keys[:n], hit.tiers[:n],
+                       decision.choice is Choice.PROBE)
 
+    @_on_step
     def load(self, hit: TierHit, slots: Sequence[int]) -> Future[LoadDone]:
         """Read hit's blocks into `slots` (the pages of tokens [hit.start, hit.end))."""
         reads = []
-        for i, (key, tier) in enumerate(zip(hit.keys, hit.tiers, strict=True)):
-            lo = max(hit.start, (hit.start // BLOCK + i) * BLOCK)
-            hi = (hit.start // BLOCK + i + 1) * BLOCK
-            reads.append(BlockRead(key, tier, tuple(slots[lo - hit.start : hi - hit.start]),
+        for key, tier, end in zip(hit.keys, hit.tiers, hit.block_ends(), strict=True):
+            lo = max(hit.start, end - BLOCK)
+            reads.append(BlockRead(key, tier, tuple(slots[lo - hit.start : end - hit.start]),
                                    lo % BLOCK))
         return self.loader.submit(reads)
 
     def record_load(self, done: LoadDone) -> None:
-        self.num_loads += 1
-        self.load_seconds += done.seconds
-        self.load_rate.add(done.bytes, done.seconds)
-        for tier, n in done.tokens_by_tier.items():
-            self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n
-        # A store counts the misses it returns (stats() adds them in); a payload of the
-        # wrong size is the loader's own finding.
-        if done.layout_errors:
-            self._count_error(MissReason.CORRUPT.value, done.layout_errors)
+        self.choice.note_load(done.bytes_by_tier, done.seconds_by_tier)
+        self.report.note_load(done)
 
-    def note_prefill(self, num_tokens: int, seconds: float) -> None:
-        self.prefill_rate.add(num_tokens, seconds)
+    def note_prefill(self, num_tokens: int, mean_pos: float, seconds: float) -> None:
+        """A prefill step's timing: `num_tokens` new tokens at mean position `mean_pos`."""
+        self.choice.prefill.add(num_tokens, mean_pos, seconds)
+
+    def end_step(self) -> None:
+        """The engine's step ended: its tier work joins the step-wait histogram."""
+        self.report.end_step()
 
     # ---- results of the worker threads (step thread) -----------------------------------------
 
+    @_on_step
     def sync(self) -> list[str]:
         """Apply finished writes and the stores' evictions; returns the keys the tree must
         forget (evicted, or their write failed)."""
-        gone: list[str] = []
-        for done in self.writer.take_done():
-            if done.status in (StoreStatus.STORED, StoreStatus.EXISTS):
-                tag = done.tag
-                if done.status is StoreStatus.STORED and self._emit and isinstance(tag, BlockTag):
-                    self._hash_of[done.key] = tag.chain_hash
-                    self.events.append(BlockStored((tag.chain_hash,), tag.parent, tag.tokens,
-                                                   BLOCK, MEDIUMS[done.tier]))
-            else:
-                self._count_error(f"write_{done.status.value}")
-                gone.append(done.key)
-        for tier, store in self.stores.items():
-            evicted = store.take_evicted()  # type: ignore[attr-defined]
-            gone.extend(evicted)
-            hashes = tuple(h for k in evicted if (h := self._hash_of.pop(k, None)) is not None)
-            if hashes and self._emit:
-                self.events.append(BlockRemoved(hashes, MEDIUMS[tier]))
-        return gone
+        return self.report.sync(self.writer.take_done())
 
-    def take_events(self) -> list[BlockEvent]:
-        events, self.events = self.events, []
-        return events
+    # ---- shutdown ------------------------------------------------------------------------------
 
-    def _count_error(self, kind: str, n: int = 1) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + n
-
-    # ---- observability -----------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        tiers = {}
-        errors = dict(self.errors)
-        for tier, store in self.stores.items():
-            st = store.stats()  # type: ignore[attr-defined]
-            tiers[tier.value] = {
-                "num_blocks": st.num_blocks, "stored_tokens": st.num_blocks * BLOCK,
-                "bytes_used": st.bytes_used, "capacity_bytes": st.capacity_bytes,
-                "stored_bytes_total": st.stored_bytes_total,
-                "loaded_bytes_total": st.loaded_bytes_total,
-                "load_seconds_total": st.load_seconds_total,
-                "store_seconds_total": st.store_seconds_total,
-                "hit_tokens_total": self.hit_tokens.get(tier, 0),
-            }
-            for kind, n in st.errors.items():
-                errors[kind] = errors.get(kind, 0) + n
-        return {"tiers": tiers, "errors": errors, "num_loads": self.num_loads,
-                "load_seconds_total": self.load_seconds,
-                "write_policy": self.settings.write_policy, **self.rates()}
-
-    def rates(self) -> dict[str, float | None]:
-        load, prefill = self.load_rate.rate, self.prefill_rate.rate
-        per_token = self.codec.bytes_per_token
-        return {"load_bytes_per_s": load, "prefill_tokens_per_s": prefill,
-                "load_tokens_per_s": None if load is None else load / per_token}
-
-    def check_stores(self) -> None:
-        """Each store recounts its index against what it holds (a block gone behind its back
-        is reported by the next sync(), so the tree forgets it)."""
-        for store in self.stores.values():
-            store.check_integrity()  # type: ignore[attr-defined]
-
-    def check_tree(self, tree_keys: dict[str, Tier]) -> None:
-        """Every block key an offloaded LOCAL node names is in the local tier or being written.
-        Call after check_stores() and a sync() whose pruning the tree applied, with no write
-        in flight (a write's eviction would race the check)."""
-        if Tier.LOCAL not in self.stores:
-            return
-        for key, tier in tree_keys.items():
-            if tier is Tier.LOCAL:
-                assert self._has(Tier.LOCAL, key), f"offloaded block {key} is in no tier"
-
-    def persist(self, cache: PoolPaths, timeout: float = 60.0) -> bool:
-        """Write every block of the pool to the local tier and wait for the writes (a clean
-        shutdown with write-back: the next process starts warm). False on timeout."""
+    def persist(self, cache: PoolPaths, timeout: float = 30.0) -> int:
+        """Write every block of the pool to the local tier (write-back) and wait for every
+        pending write, all within `timeout` seconds (a clean shutdown: the next process starts
+        warm). Returns the blocks not written (logged)."""
+        deadline = time.monotonic() + timeout
+        before = self.report.errors.get("write_dropped", 0)
         if Tier.LOCAL in self.stores and self.settings.write_policy == "write_back":
             for tokens, slots, start, salt in cache.pool_paths():
-                self._write_blocks(tokens, slots, start, salt, [Tier.LOCAL])
-        return self.writer.flush(timeout)
+                self._write_blocks(tokens, slots, start, salt, [Tier.LOCAL], deadline)
+        dropped = self.report.errors.get("write_dropped", 0) - before
+        if not self.writer.flush(max(0.0, deadline - time.monotonic())):
+            dropped += self.writer.num_pending()
+        if dropped:
+            logger.warning("KV tiers: %d block writes not done within the %.0fs shutdown timeout "
+                           "(--kv-offload-shutdown-timeout); those blocks are not warm",
+                           dropped, timeout)
+        return dropped
+
+    # ---- observability (tier_report.py) -------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.report.stats(), "write_policy": self.settings.write_policy}
+
+    def take_events(self) -> list[BlockEvent]:
+        return self.report.take_events()
+
+    def check_stores(self) -> None:
+        self.report.check_stores()
+
+    def check_tree(self, tree_keys: dict[str, Tier]) -> None:
+        self.report.check_tree(tree_keys, self._has)
 
     def describe(self) -> dict[str, Any]:
         """The static settings (server_info's engine_info)."""
@@ -336,6 +280,7 @@ class KVTiers:
         return {"local_dir": None if s.local_dir is None else str(s.local_dir),
                 "local_size_bytes": s.local_bytes if s.local_dir is not None else None,
                 "shared_dir": None if s.shared_dir is None else str(s.shared_dir),
+                "shared_size_bytes": s.shared_bytes if s.shared_dir is not None else None,
                 "write_policy": s.write_policy, "block_size": BLOCK,
                 "host_size_bytes": s.host_bytes or None, "fingerprint": self.fp.canonical(),
                 "bytes_per_token": self.codec.bytes_per_token}
@@ -345,7 +290,13 @@ class KVTiers:
         self.loader.close()
 
 
+def shared_namespace(shared_dir: Path, fp: Fingerprint) -> Path:
+    """Where replicas whose KV has fingerprint `fp` share blocks under --kv-shared-dir."""
+    return shared_dir / f"kv-{fp.digest()}"
+
+
 def fingerprint(model: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int,
                 head_dim: int) -> Fingerprint:
     return Fingerprint(model, str(dtype).removeprefix("torch."), num_layers, num_kv_heads,
                        head_dim, BLOCK)
+

@@ -8,6 +8,8 @@ loses a block. Does not know: what a payload means, the tree.
 
 from __future__ import annotations
 
+import torch
+
 from radixserve.cache.tiers import BlockStore, HostStore, LoadResult, StoreStatus, TierStats
 
 _OK = (StoreStatus.STORED, StoreStatus.EXISTS)
@@ -38,6 +40,10 @@ class LayeredStore:
         result = self.host.get(key)
         return result if result.hit else self.disk.get(key)
 
+    def get_buffer(self, key: str) -> torch.Tensor | None:
+        """The host layer's pinned buffer (one async copy on CUDA); None: read the disk."""
+        return self.host.get_buffer(key)
+
     def delete(self, key: str) -> None:
         self.host.delete(key)
         self.disk.delete(key)
@@ -47,8 +53,8 @@ class LayeredStore:
         gone = set(self.host.take_evicted()) | set(self.disk.take_evicted())
         return sorted(k for k in gone if not self.contains(k))
 
-    def refresh(self) -> None:
-        self.disk.refresh()
+    def refresh(self, full: bool = True) -> None:
+        self.disk.refresh(full)
 
     def stats(self) -> TierStats:
         """The disk's counters, with the host layer's loads added (a load is from either)."""

@@ -130,8 +130,9 @@ class IndexedStore:
         return None
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._index
+        """Answered from memory without the lock (the step thread asks): one dict lookup is
+        atomic, and a stale answer is a probe that later loads a miss, never a wrong block."""
+        return key in self._index.sizes
 
     def keys(self) -> list[str]:
         with self._lock:

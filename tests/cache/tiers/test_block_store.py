@@ -277,9 +277,9 @@ def test_host_store_round_trip_lru_and_tensors() -> None:
     assert h.put(key(0), payload(0)) is StoreStatus.EXISTS
     assert h.get(key(0)).data == payload(0)
     t = torch.arange(PAYLOAD // 4, dtype=torch.float32)  # (250,) = 1000 bytes
-    assert h.put_tensor(key(3), t) is StoreStatus.STORED
+    assert h.put(key(3), t.numpy().tobytes()) is StoreStatus.STORED
     assert h.take_evicted() == [key(1)] and h.get(key(1)).miss is MissReason.ABSENT
-    buf = h.get_buffer(key(3))
+    buf = h.get_buffer(key(3))  # what the loader copies from (pinned on CUDA)
     assert buf is not None and torch.equal(buf.view(torch.float32), t)
     assert h.put(key(9), payload(9, 4 * PAYLOAD)) is StoreStatus.NO_SPACE
     st_ = h.stats()
@@ -293,7 +293,7 @@ def test_host_store_round_trip_lru_and_tensors() -> None:
 def test_host_store_pinned_on_cuda() -> None:
     h = HostStore(4 * PAYLOAD, FP)
     src = torch.arange(PAYLOAD, dtype=torch.uint8, device="cuda")
-    assert h.put_tensor(key(0), src) is StoreStatus.STORED
+    assert h.put(key(0), src.cpu().numpy().tobytes()) is StoreStatus.STORED
     buf = h.get_buffer(key(0))
     assert buf is not None and buf.is_pinned()
     assert torch.equal(buf.to("cuda", non_blocking=True), src)

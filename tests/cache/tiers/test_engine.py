@@ -5,28 +5,19 @@ every step keeps the page invariant (check_integrity)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.cache.tiers import Tier
+from radixserve.cache.tiers import BlockStore, Tier
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 POOL = 600  # tokens: a few prompts fill it, so sessions are evicted between their turns
-
-
-@pytest.fixture
-def always_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tier hits are loaded whatever the measured rates say: on the tiny model recomputing is
-    about as cheap as loading, and these tests are about what a load does, not whether to
-    (test_a_warm_load_is_cheaper_than_the_cold_prefill and test_kv_tiers cover that)."""
-    from radixserve.cache.tiers.kv_tiers import KVTiers
-
-    monkeypatch.setattr(KVTiers, "worth_loading", lambda self, n: n > 0)
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -42,9 +33,10 @@ def make_llm(model: Path, **kw: object) -> LLM:
 
 
 def run(llm: LLM, batch: list[list[int]], salt: str = "", params: SamplingParams = GREEDY,
-        ) -> tuple[list[list[int]], list[int]]:
+        check: bool = True) -> tuple[list[list[int]], list[int]]:
     """Run prompts one after another (each evicts the previous ones from a small pool),
-    checking the page invariant after every step; tokens and cached-token counts."""
+    checking the page invariant after every step (`check`: a slow disk makes the stores'
+    recount slow); tokens and cached-token counts."""
     engine = llm.engine
     outs, cached = [], []
     for i, p in enumerate(batch):
@@ -57,22 +49,22 @@ def run(llm: LLM, batch: list[list[int]], salt: str = "", params: SamplingParams
                     toks.append(o.token_id)
                 if o.finish_reason is not None:
                     cached.append(o.num_cached_tokens)
-            engine.check_integrity()
+            if check:
+                engine.check_integrity()
         outs.append(toks)
     assert llm.kv_stats()["kv_held_tokens"] == 0
     return outs, cached
 
 
-@pytest.mark.usefixtures("always_load")
-def test_tokens_identical_with_tiers_off_and_on(tiny_llama: Path, tmp_path: Path) -> None:
+def test_tokens_identical_with_tiers_off_and_on(tier_model: Path, tmp_path: Path) -> None:
     batch = prompts(4, 300)
     again = batch + batch  # the second round was evicted from the pool by the first
-    plain = make_llm(tiny_llama)
+    plain = make_llm(tier_model)
     base, base_cached = run(plain, again)
     assert base_cached[4] == 0  # without tiers: evicted by the later prompts, recomputed
     assert plain.engine.tiers is None and not plain.engine.timings  # no per-step tier work
     for policy in ("write_back", "write_through"):
-        llm = make_llm(tiny_llama, kv_offload_dir=tmp_path / policy,
+        llm = make_llm(tier_model, kv_offload_dir=tmp_path / policy,
                        kv_offload_write_policy=policy)
         outs, cached = run(llm, again)
         assert outs == base
@@ -83,8 +75,8 @@ def test_tokens_identical_with_tiers_off_and_on(tiny_llama: Path, tmp_path: Path
         llm.close()
 
 
-def test_a_warm_load_is_cheaper_than_the_cold_prefill(tiny_llama: Path, tmp_path: Path) -> None:
-    llm = make_llm(tiny_llama, kv_offload_dir=tmp_path, kv_cache_tokens=2048)
+def test_a_warm_load_is_cheaper_than_the_cold_prefill(tier_model: Path, tmp_path: Path) -> None:
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path, kv_cache_tokens=2048)
     (prompt,) = prompts(1, 500)
     run(llm, [prompt])
     cold = llm.engine.timings[next(iter(llm.engine.timings))]
@@ -101,25 +93,23 @@ def test_a_warm_load_is_cheaper_than_the_cold_prefill(tiny_llama: Path, tmp_path
     llm.close()
 
 
-@pytest.mark.usefixtures("always_load")
-def test_restart_serves_the_first_requests_from_the_local_tier(tiny_llama: Path,
+def test_restart_serves_the_first_requests_from_the_local_tier(tier_model: Path,
                                                                tmp_path: Path) -> None:
     batch = prompts(3, 200, seed=1)
-    with make_llm(tiny_llama, kv_offload_dir=tmp_path) as first:
+    with make_llm(tier_model, kv_offload_dir=tmp_path) as first:
         before, _ = run(first, batch)
-    second = make_llm(tiny_llama, kv_offload_dir=tmp_path)
+    second = make_llm(tier_model, kv_offload_dir=tmp_path)
     after, cached = run(second, batch)
     assert after == before
     assert all(c >= 0.9 * 199 for c in cached), cached
     second.close()
 
 
-@pytest.mark.usefixtures("always_load")
-def test_replica_b_serves_a_prefix_replica_a_computed(tiny_llama: Path, tmp_path: Path) -> None:
+def test_replica_b_serves_a_prefix_replica_a_computed(tier_model: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     batch = prompts(2, 250, seed=2)
-    a = make_llm(tiny_llama, kv_shared_dir=shared)
-    b = make_llm(tiny_llama, kv_shared_dir=shared)  # started before A computed anything
+    a = make_llm(tier_model, kv_shared_dir=shared)
+    b = make_llm(tier_model, kv_shared_dir=shared)  # started before A computed anything
     ref, _ = run(a, batch)
     assert a.engine.tiers is not None and a.engine.tiers.writer.flush()
     b_tiers = b.engine.tiers
@@ -133,9 +123,8 @@ def test_replica_b_serves_a_prefix_replica_a_computed(tiny_llama: Path, tmp_path
     b.close()
 
 
-@pytest.mark.usefixtures("always_load")
-def test_tenants_never_hit_each_others_blocks(tiny_llama: Path, tmp_path: Path) -> None:
-    llm = make_llm(tiny_llama, kv_offload_dir=tmp_path / "local", kv_shared_dir=tmp_path / "sh")
+def test_tenants_never_hit_each_others_blocks(tier_model: Path, tmp_path: Path) -> None:
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path / "local", kv_shared_dir=tmp_path / "sh")
     (prompt,) = prompts(1, 300, seed=3)
     run(llm, [prompt], salt="tenant-a")
     assert llm.engine.flush_cache()
@@ -148,11 +137,62 @@ def test_tenants_never_hit_each_others_blocks(tiny_llama: Path, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("flag", ["kv_offload_dir", "kv_shared_dir"])
-def test_tiers_need_the_radix_cache_and_block_aligned_pages(tiny_llama: Path, tmp_path: Path,
+def test_tiers_need_the_radix_cache_and_block_aligned_pages(tier_model: Path, tmp_path: Path,
                                                             flag: str) -> None:
     from radixserve.config import ConfigError
 
     with pytest.raises(ConfigError, match="page_size must divide 16"):
-        make_llm(tiny_llama, page_size=3, **{flag: tmp_path})
+        make_llm(tier_model, page_size=3, **{flag: tmp_path})
     with pytest.raises(ConfigError, match="disable-radix-cache"):
-        make_llm(tiny_llama, disable_radix_cache=True, **{flag: tmp_path})
+        make_llm(tier_model, disable_radix_cache=True, **{flag: tmp_path})
+
+
+def warm_choice(llm: LLM, batch: list[list[int]]) -> None:
+    """Compute prompts of varied lengths cold (the engine's prefill timings fit its cost
+    model), then demote the pool into the local tier."""
+    shapes = prompts(8, 64, seed=9) + [p[:n] for p, n in zip(prompts(4, 512, seed=10),
+                                                               (96, 200, 350, 480), strict=True)]
+    run(llm, shapes + batch)
+    assert llm.engine.flush_cache()
+
+
+def test_the_local_tier_is_chosen_over_recompute_from_256_tokens(tier_model: Path,
+                                                                 tmp_path: Path) -> None:
+    """No bypass: the engine's own measurements choose to load prompts of 256+ tokens."""
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path, kv_cache_tokens=4096)
+    batch = [p[:n] for p, n in zip(prompts(3, 500, seed=11), (256, 384, 500), strict=True)]
+    warm_choice(llm, batch)
+    tiers = llm.engine.tiers
+    assert tiers is not None and tiers.choice.prefill.num_samples >= 8
+    _, cached = run(llm, batch)
+    assert cached == [256 - 16, 384 - 16, 496], cached  # whole blocks before the last token
+    counts = tiers.choice.counts[Tier.LOCAL]
+    assert counts["load"] >= 3 and counts["recompute"] == 0, counts
+    llm.close()
+
+
+def test_a_slow_phase_then_a_fast_phase_resumes_loading(tier_model: Path,
+                                                         tmp_path: Path) -> None:
+    """Every file operation of the local tier delayed (an injected store delay): after one
+    slow load the engine recomputes; when the disk is fast again a probe measures it and
+    loading resumes (the choice never latches off)."""
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path, kv_cache_tokens=4096)
+    batch = prompts(4, 300, seed=12)
+    warm_choice(llm, batch)
+    tiers = llm.engine.tiers
+    assert tiers is not None
+    store = tiers.stores[Tier.LOCAL]
+    assert isinstance(store, BlockStore)
+    assert tiers.writer.flush()  # the demoted blocks are files, not pending writes
+    tiers.choice.probe_s = 2.0  # the default (5 s) makes the test slow, not different
+    store.files.delay_s = 0.05  # slow phase: 50 ms per file operation
+    _, first = run(llm, batch[:1], check=False)  # nothing measured says load: measured slow
+    _, slow = run(llm, batch[1:2], check=False)
+    assert first == [288] and slow == [0], (first, slow)  # recomputed: cheaper than 18 reads
+    store.files.delay_s = 0.0  # fast phase
+    time.sleep(max(0.0, tiers.choice.probe_due_in(Tier.LOCAL)))
+    _, fast = run(llm, batch[2:])  # a probe, then an ordinary load
+    assert fast == [288, 288], fast
+    counts = tiers.choice.counts[Tier.LOCAL]
+    assert counts["recompute"] >= 1 and counts["probe"] >= 1, counts
+    llm.close()

@@ -19,12 +19,11 @@ import pytest
 from radixserve import LLM
 from radixserve.cache.tiers import Tier, block_key
 from radixserve.cache.tiers.block_io import BLOCK
+from radixserve.cache.tiers.block_loader import LOAD_WORKERS
+from radixserve.cache.tiers.kv_tiers import shared_namespace
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.kv_events.publisher import block_hashes
-from tests.cache.tiers.test_engine import GREEDY, always_load, make_llm, prompts, run
-
-pytestmark = pytest.mark.usefixtures("always_load")
-__all__ = ["always_load"]  # the fixture, imported for pytest
+from tests.cache.tiers.test_engine import GREEDY, make_llm, prompts, run
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +32,8 @@ def batch() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path, batch: list[list[int]]) -> list[list[int]]:
-    return run(make_llm(tiny_llama), batch)[0]
+def reference(tier_model: Path, batch: list[list[int]]) -> list[list[int]]:
+    return run(make_llm(tier_model), batch)[0]
 
 
 def block_file(llm: LLM, root: Path, prompt: list[int], j: int) -> Path:
@@ -43,16 +42,16 @@ def block_file(llm: LLM, root: Path, prompt: list[int], j: int) -> Path:
     return root / f"{block_key(block_hashes(prompt, BLOCK)[j], tiers.fp)}.kvb"
 
 
-def warm_dir(tiny_llama: Path, root: Path, batch: list[list[int]]) -> None:
-    with make_llm(tiny_llama, kv_offload_dir=root) as llm:
+def warm_dir(tier_model: Path, root: Path, batch: list[list[int]]) -> None:
+    with make_llm(tier_model, kv_offload_dir=root) as llm:
         run(llm, batch)
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "truncated"])
-def test_a_bad_block_is_a_counted_miss(tiny_llama: Path, tmp_path: Path, batch: list[list[int]],
+def test_a_bad_block_is_a_counted_miss(tier_model: Path, tmp_path: Path, batch: list[list[int]],
                                        reference: list[list[int]], fault: str) -> None:
-    warm_dir(tiny_llama, tmp_path, batch)
-    llm = make_llm(tiny_llama, kv_offload_dir=tmp_path)
+    warm_dir(tier_model, tmp_path, batch)
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path)
     path = block_file(llm, tmp_path, batch[0], 3)
     data = path.read_bytes()
     if fault == "corrupt":
@@ -68,12 +67,12 @@ def test_a_bad_block_is_a_counted_miss(tiny_llama: Path, tmp_path: Path, batch: 
 
 
 def test_a_bad_local_block_is_read_from_the_shared_tier(
-        tiny_llama: Path, tmp_path: Path, batch: list[list[int]],
+        tier_model: Path, tmp_path: Path, batch: list[list[int]],
         reference: list[list[int]]) -> None:
     local, shared = tmp_path / "local", tmp_path / "shared"
-    with make_llm(tiny_llama, kv_offload_dir=local, kv_shared_dir=shared) as warm:
+    with make_llm(tier_model, kv_offload_dir=local, kv_shared_dir=shared) as warm:
         run(warm, batch)
-    llm = make_llm(tiny_llama, kv_offload_dir=local, kv_shared_dir=shared)
+    llm = make_llm(tier_model, kv_offload_dir=local, kv_shared_dir=shared)
     path = block_file(llm, local, batch[0], 3)
     data = path.read_bytes()
     path.write_bytes(data[:100] + bytes([data[100] ^ 0x55]) + data[101:])
@@ -85,15 +84,16 @@ def test_a_bad_local_block_is_read_from_the_shared_tier(
     llm.close()
 
 
-def test_a_file_deleted_between_match_and_load(tiny_llama: Path, tmp_path: Path,
+def test_a_file_deleted_between_match_and_load(tier_model: Path, tmp_path: Path,
                                                batch: list[list[int]],
                                                reference: list[list[int]]) -> None:
-    warm_dir(tiny_llama, tmp_path, batch)
-    llm = make_llm(tiny_llama, kv_offload_dir=tmp_path)
+    warm_dir(tier_model, tmp_path, batch)
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path)
     tiers = llm.engine.tiers
     assert tiers is not None
     gate = threading.Event()
-    tiers.loader._pool.submit(gate.wait)  # the loader thread waits until the files are gone
+    for _ in range(LOAD_WORKERS):  # every loader thread waits until the files are gone
+        tiers.loader._pool.submit(gate.wait)
     engine = llm.engine
     engine.add_request(GenerateMsg("r", batch[0], GREEDY))
     engine.step()  # probe: the blocks are in the index; the load is queued
@@ -113,16 +113,16 @@ def test_a_file_deleted_between_match_and_load(tiny_llama: Path, tmp_path: Path,
     llm.close()
 
 
-def test_a_full_disk_is_a_clean_write_error(tiny_llama: Path, tmp_path: Path,
+def test_a_full_disk_is_a_clean_write_error(tier_model: Path, tmp_path: Path,
                                             batch: list[list[int]], reference: list[list[int]],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixserve.cache.tiers import block_store
+    from radixserve.cache.tiers import block_files
 
     def full(fd: int, bufs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(block_store, "_write_all", full)
-    llm = make_llm(tiny_llama, kv_offload_dir=tmp_path, kv_cache_tokens=300, max_model_len=256)
+    monkeypatch.setattr(block_files, "_write_all", full)
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path, kv_cache_tokens=300, max_model_len=256)
     outs, _ = run(llm, batch + batch)  # each prompt evicts the other: demotions fail
     assert outs == reference + reference
     tiers = llm.engine.tiers
@@ -134,11 +134,11 @@ def test_a_full_disk_is_a_clean_write_error(tiny_llama: Path, tmp_path: Path,
     llm.close()
 
 
-def test_two_writers_of_one_block(tiny_llama: Path, tmp_path: Path, batch: list[list[int]],
+def test_two_writers_of_one_block(tier_model: Path, tmp_path: Path, batch: list[list[int]],
                                   reference: list[list[int]]) -> None:
     shared = tmp_path / "shared"
-    a = make_llm(tiny_llama, kv_shared_dir=shared)
-    b = make_llm(tiny_llama, kv_shared_dir=shared)
+    a = make_llm(tier_model, kv_shared_dir=shared)
+    b = make_llm(tier_model, kv_shared_dir=shared)
     for llm in (a, b):
         llm.engine.add_request(GenerateMsg("same", batch[0], GREEDY))
     while a.engine.has_work() or b.engine.has_work():  # interleaved: both publish each block
@@ -149,7 +149,7 @@ def test_two_writers_of_one_block(tiny_llama: Path, tmp_path: Path, batch: list[
     for llm in (a, b):
         tiers = llm.engine.tiers
         assert tiers is not None and tiers.writer.flush()
-    c = make_llm(tiny_llama, kv_shared_dir=shared)
+    c = make_llm(tier_model, kv_shared_dir=shared)
     outs, cached = run(c, batch[:1])
     assert outs == reference[:1] and cached[0] >= 12 * BLOCK
     tiers = c.engine.tiers
@@ -175,7 +175,7 @@ while True:  # republish every block, forever: killed somewhere inside a put
 """
 
 
-def test_a_writer_killed_mid_write_leaves_no_wrong_block(tiny_llama: Path, tmp_path: Path,
+def test_a_writer_killed_mid_write_leaves_no_wrong_block(tier_model: Path, tmp_path: Path,
                                                          batch: list[list[int]],
                                                          reference: list[list[int]]) -> None:
     """Another replica's writer (real blocks, republished in a loop with fsync) is SIGKILLed
@@ -184,25 +184,27 @@ def test_a_writer_killed_mid_write_leaves_no_wrong_block(tiny_llama: Path, tmp_p
     import json
 
     src, shared = tmp_path / "src", tmp_path / "shared"
-    with make_llm(tiny_llama, kv_shared_dir=src) as producer:
+    with make_llm(tier_model, kv_shared_dir=src) as producer:
         run(producer, batch)
         tiers = producer.engine.tiers
         assert tiers is not None and tiers.writer.flush()
         fp = json.dumps(dataclasses.asdict(tiers.fp))
+        # The blocks live in the fingerprint's namespace under each --kv-shared-dir.
+        src, space = shared_namespace(src, tiers.fp), shared_namespace(shared, tiers.fp)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(shared), fp], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(space), fp], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         deadline = time.monotonic() + 120
-        while len(list(shared.glob("*.kvb"))) < 16 and time.monotonic() < deadline:
+        while len(list(space.glob("*.kvb"))) < 16 and time.monotonic() < deadline:
             assert proc.poll() is None, "the writer died on its own"
             time.sleep(0.01)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert len(list(shared.glob("*.kvb"))) >= 16
-    llm = make_llm(tiny_llama, kv_shared_dir=shared)
+    assert len(list(space.glob("*.kvb"))) >= 16
+    llm = make_llm(tier_model, kv_shared_dir=shared)
     outs, _ = run(llm, batch)
     assert outs == reference
     tiers = llm.engine.tiers

@@ -12,11 +12,11 @@ from tests.cache.tiers.test_engine import prompts, run
 pytestmark = pytest.mark.gpu
 
 
-def test_cuda_tiers_keep_greedy_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+def test_cuda_tiers_keep_greedy_tokens(tier_model: Path, tmp_path: Path) -> None:
     from radixserve import LLM
 
     def make(**kw: object) -> LLM:
-        return LLM(model=str(tiny_llama), dtype="float32", device="cuda", kv_cache_tokens=600,
+        return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=600,
                    max_model_len=512, **kw)
 
     batch = prompts(4, 300)
@@ -31,3 +31,37 @@ def test_cuda_tiers_keep_greedy_tokens(tiny_llama: Path, tmp_path: Path) -> None
     outs, cached = run(restarted, batch)
     assert outs == base[:4] and all(c >= 288 for c in cached), cached
     restarted.close()
+
+
+def test_cuda_chooses_the_host_tier_and_not_a_slow_disk(tier_model: Path, tmp_path: Path) -> None:
+    """On a GPU prefill is cheap: the host layer's pinned blocks (one async copy each) are
+    still worth loading, a disk slowed to 50 ms per operation is not (measured, no bypass)."""
+    from radixserve import LLM
+    from radixserve.cache.tiers import BlockStore, Tier
+    from radixserve.cache.tiers.layered_store import LayeredStore
+    from tests.cache.tiers.test_engine import warm_choice
+
+    def make(root: Path, host_gib: float) -> LLM:
+        return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=4096,
+                   max_model_len=512, kv_offload_dir=root, kv_offload_host_size=host_gib)
+
+    batch = prompts(3, 300, seed=31)
+    fast = make(tmp_path / "host", 1.0)  # the host layer holds every block
+    warm_choice(fast, batch)
+    _, cached = run(fast, batch)
+    assert cached == [288] * 3, cached
+    assert fast.engine.tiers is not None
+    assert fast.engine.tiers.choice.counts[Tier.LOCAL]["recompute"] == 0
+    fast.close()
+    slow = make(tmp_path / "disk", 1e-6)  # host layer too small: every block on the disk
+    warm_choice(slow, batch)
+    tiers = slow.engine.tiers
+    assert tiers is not None and tiers.writer.flush()
+    store = tiers.stores[Tier.LOCAL]
+    assert isinstance(store, LayeredStore) and isinstance(store.disk, BlockStore)
+    store.disk.files.delay_s = 0.05
+    _, cached = run(slow, batch, check=False)  # one slow load measures the disk
+    assert cached[1:] == [0, 0], cached
+    assert tiers.choice.counts[Tier.LOCAL]["recompute"] >= 2
+    store.disk.files.delay_s = 0.0
+    slow.close()

@@ -6,6 +6,7 @@ put back exactly the bytes that were written, and a bad block stops a load as a 
 from __future__ import annotations
 
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.radix_types import Demotion
 from radixserve.cache.tiers import MissReason, StoreStatus, Tier, block_key
 from radixserve.cache.tiers.block_io import BLOCK, KVCodec
-from radixserve.cache.tiers.kv_tiers import KVTiers, TierSettings, fingerprint
+from radixserve.cache.tiers.kv_tiers import KVTiers, fingerprint
+from radixserve.cache.tiers.tier_types import TierSettings
 from radixserve.kv_events.publisher import BlockStored, block_hashes
 from radixserve.server.metrics import ServerMetrics
 
@@ -134,7 +136,7 @@ def test_write_through_publishes_to_shared_and_a_corrupt_block_is_a_miss(tmp_pat
     assert tiers.stats()["errors"].get("corrupt", 0) == 1  # the local miss still counts
     # The bad local copy is gone; corrupt the shared one too: the load takes block 0 and
     # stops there.
-    flip_byte(tmp_path / "shared" / f"{keys[1]}.kvb")
+    flip_byte(tiers.stores[Tier.SHARED].path(keys[1]))  # type: ignore[attr-defined]
     hit = tiers.probe(tokens + [0], "", 0)
     assert hit is not None and hit.tiers == (Tier.LOCAL, Tier.SHARED)
     before = k[:, 100:132].clone()
@@ -229,33 +231,16 @@ def test_host_memory_layer_above_the_disk(tmp_path: Path) -> None:
     tiers.close()
 
 
-def test_load_only_when_the_measured_load_beats_the_measured_prefill(tmp_path: Path) -> None:
-    tiers, _, _ = make_tiers(tmp_path)
-    per_token = tiers.codec.bytes_per_token
-    assert tiers.worth_loading(64)  # nothing measured yet: load (and measure)
-    assert not tiers.worth_loading(0)
-    tiers.note_prefill(1000, 1.0)  # 1000 tokens/s
-    tiers.load_rate.add(per_token * 100_000, 1.0)  # 100k tokens/s of loading
-    assert tiers.worth_loading(64)
-    slow = KVTiers.__new__(KVTiers)
-    slow.codec, slow.load_rate, slow.prefill_rate = tiers.codec, type(tiers.load_rate)(), \
-        type(tiers.prefill_rate)()
-    slow.prefill_rate.add(1000, 1.0)
-    slow.load_rate.add(per_token * 10, 1.0)  # 10 tokens/s: recomputing is faster
-    assert not slow.worth_loading(64)
-    rates = tiers.rates()
-    assert rates["prefill_tokens_per_s"] == 1000 and rates["load_tokens_per_s"] == 100_000
-    tiers.close()
-
-
 def test_cli_flags_and_offline_keywords(tmp_path: Path) -> None:
     from radixserve.cli import build_config, build_parser
     from radixserve.config import ConfigError, EngineConfig
 
     args = build_parser().parse_args([
         "serve", "--kv-offload-dir", str(tmp_path / "l"), "--kv-offload-size", "2.5",
-        "--kv-shared-dir", str(tmp_path / "s")])
+        "--kv-shared-dir", str(tmp_path / "s"), "--kv-shared-size", "0.5",
+        "--kv-offload-shutdown-timeout", "12"])
     cfg = build_config(args, {}).engine
+    assert (cfg.kv_shared_size, cfg.kv_offload_shutdown_timeout) == (0.5, 12.0)
     assert (cfg.kv_offload_dir, cfg.kv_offload_size, cfg.kv_shared_dir) == (
         str(tmp_path / "l"), 2.5, str(tmp_path / "s"))
     assert cfg.kv_offload_write_policy == "write_back" and cfg.kv_tiers_enabled
@@ -264,8 +249,13 @@ def test_cli_flags_and_offline_keywords(tmp_path: Path) -> None:
     assert not default.kv_tiers_enabled
     # LLM(..., kv_offload_dir=Path) reaches EngineConfig as these keywords (paths accepted).
     assert EngineConfig(kv_offload_dir=tmp_path).kv_offload_dir == str(tmp_path)
+    assert (default.kv_shared_size, default.kv_offload_shutdown_timeout) == (16.0, 30.0)
     with pytest.raises(ConfigError, match="kv_offload_size"):
         EngineConfig(kv_offload_dir=tmp_path, kv_offload_size=0)
+    with pytest.raises(ConfigError, match="kv_shared_size"):
+        EngineConfig(kv_shared_dir=tmp_path, kv_shared_size=-1)
+    with pytest.raises(ConfigError, match="kv_offload_shutdown_timeout"):
+        EngineConfig(kv_offload_dir=tmp_path, kv_offload_shutdown_timeout=-1)
     with pytest.raises(ConfigError, match="different"):
         EngineConfig(kv_offload_dir=tmp_path, kv_shared_dir=tmp_path)
 
@@ -278,3 +268,45 @@ def test_metrics_name_the_tier_fault_counter_by_kind() -> None:
     assert 'radixserve:kv_offload_errors_total{kind="no_space"} 1.0' in text
     assert 'radixserve:kv_offload_hit_tokens_total{tier="local"} 32.0' in text
     assert 'radixserve:kv_offload_stored_tokens{tier="local"} 64.0' in text
+
+
+def test_shutdown_writes_a_pool_larger_than_the_pending_cap_or_logs_the_dropped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(LAYERS, SLOTS, HEADS, DIM, generator=g), torch.randn(
+        LAYERS, SLOTS, HEADS, DIM, generator=g)
+    codec = KVCodec(k, v)
+    fp = fingerprint("tiny", torch.float32, LAYERS, HEADS, DIM)
+    settings = TierSettings(tmp_path / "local", 1 << 20, None, 0, durable=False,
+                            max_pending_bytes=2 * codec.block_bytes)  # 2 of the 12 blocks
+    tiers = KVTiers(settings, fp, codec)
+    cache = RadixCache(tiers=tiers)
+    for i in range(4):
+        cache.insert([i + 1] * 48, list(range(48 * i, 48 * i + 48)))
+    assert tiers.persist(cache, timeout=30) == 0  # waited for room: nothing dropped
+    assert len(tiers.stores[Tier.LOCAL].keys()) == 12
+    tiers.close()
+    slow = KVTiers(replace(settings, local_dir=tmp_path / "slow"), fp, codec)
+    slow.stores[Tier.LOCAL].files.delay_s = 0.2  # type: ignore[attr-defined]
+    cache = RadixCache(tiers=slow)
+    for i in range(4):
+        cache.insert([i + 1] * 48, list(range(48 * i, 48 * i + 48)))
+    with caplog.at_level("WARNING"):
+        dropped = slow.persist(cache, timeout=0.3)
+    assert 0 < dropped <= 12 and f"{dropped} block writes not done" in caplog.text
+    slow.stores[Tier.LOCAL].files.delay_s = 0.0  # type: ignore[attr-defined]
+    slow.close()
+
+
+def test_metrics_show_the_step_wait_histogram_and_the_choices_per_tier() -> None:
+    stats = {"kv_offload": {
+        "tiers": {"local": {"choices_total": {"load": 3, "probe": 1, "recompute": 2},
+                            "load_bytes_per_s": 5e8}},
+        "step_wait": {"buckets": [0.001, 0.01], "counts": [5, 2, 1], "sum": 0.05}}}
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert 'radixserve:kv_offload_choices_total{choice="recompute",tier="local"} 2.0' in text
+    assert 'radixserve:kv_offload_choices_total{choice="probe",tier="local"} 1.0' in text
+    assert 'radixserve:kv_offload_tier_load_bytes_per_second{tier="local"} 5e+08' in text
+    assert 'radixserve:kv_offload_step_wait_seconds_bucket{le="0.01"} 7.0' in text
+    assert 'radixserve:kv_offload_step_wait_seconds_bucket{le="+Inf"} 8.0' in text
+    assert "radixserve:kv_offload_step_wait_seconds_count 8.0" in text

@@ -42,12 +42,12 @@ def shared_blocks(server: ServerProc) -> int:
     return int(tiers.get("shared", {}).get("num_blocks", 0))
 
 
-def test_replica_b_serves_what_replica_a_computed(tiny_llama: Path, tmp_path: Path) -> None:
+def test_replica_b_serves_what_replica_a_computed(tier_model: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     args = ["--kv-cache-tokens", "2048", "--max-model-len", "512", "--kv-shared-dir", str(shared)]
     ids = prompt(1)
-    with running_server(tiny_llama, tmp_path / "a.log", [*args, "--enable-kv-events"]) as a, \
-            running_server(tiny_llama, tmp_path / "b.log", args) as b:
+    with running_server(tier_model, tmp_path / "a.log", [*args, "--enable-kv-events"]) as a, \
+            running_server(tier_model, tmp_path / "b.log", args) as b:
         text_a, cached_a = complete(a, ids)
         assert cached_a == 0
         deadline = time.monotonic() + 60
@@ -84,15 +84,15 @@ def test_replica_b_serves_what_replica_a_computed(tiny_llama: Path, tmp_path: Pa
                         media.add(ev.get("medium"))
 
 
-def test_a_restarted_server_starts_warm(tiny_llama: Path, tmp_path: Path) -> None:
+def test_a_restarted_server_starts_warm(tier_model: Path, tmp_path: Path) -> None:
     args = ["--kv-cache-tokens", "2048", "--max-model-len", "512", "--kv-offload-dir",
             str(tmp_path / "local")]
     sessions = [prompt(10 + i) for i in range(3)]
-    with running_server(tiny_llama, tmp_path / "first.log", args) as first:
+    with running_server(tier_model, tmp_path / "first.log", args) as first:
         before = [complete(first, ids)[0] for ids in sessions]
         first.wait_idle()
     assert first.proc.returncode == 0
-    with running_server(tiny_llama, tmp_path / "second.log", args) as second:
+    with running_server(tier_model, tmp_path / "second.log", args) as second:
         for ids, text in zip(sessions, before, strict=True):
             again, cached = complete(second, ids)
             assert again == text and cached >= 0.9 * len(ids), cached
