@@ -1,6 +1,7 @@
-"""Scheduling: requests and batches (req.py), the scheduler (their only mutator), its batch
-planner (which requests one step runs), its memory manager (pages between the allocator, the
-radix tree and requests; free slot-table rows), its ordering policy and pinned prefixes.
-Engine-process side; pure Python over token ids, slot numbers and row numbers, no tensors
-(the model runner writes the slot table from each batch).
+"""Scheduling: requests and batches (req.py), the scheduler (their only mutator), its
+helpers (prefill.py, decode.py, preemption.py, outputs.py: which requests one step runs and
+what its tokens do; the scheduler alone writes a request's status), its memory manager (pages
+between the allocator, the radix tree and requests; free slot-table rows), its ordering
+policy and pinned prefixes. Engine-process side; pure Python over token ids, slot numbers and
+row numbers, no tensors (the model runner writes the slot table from each batch).
 """
