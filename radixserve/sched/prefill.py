@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from radixserve.config import SchedulePolicy
 from radixserve.grammar.compiler import CompileFailed
 from radixserve.sched.preemption import ensure_or_retract
-from radixserve.sched.queue_policy import order_waiting, shares_uncached_prefix
+from radixserve.sched.queue_policy import SharingIndex, order_waiting
 from radixserve.sched.req import Batch, Req, ScheduledReq
 from radixserve.types import Phase
 
@@ -64,6 +64,7 @@ def _admit(s: Scheduler, reqs: list[Req], lens: list[int], budget: int,
     # Tokens promised to admitted requests; each admission below adds its own share.
     reserved = mem.reserved_tokens(live, reqs, lens)
     newly: list[Req] = []
+    chosen = SharingIndex(reqs)
     for req in order_waiting(s.waiting, matches, policy):
         if budget <= 0 or len(live) >= s.cfg.max_running_requests:
             break
@@ -71,7 +72,7 @@ def _admit(s: Scheduler, reqs: list[Req], lens: list[int], budget: int,
             continue  # still compiling (or failed): it waits, the batch does not
         if s.tier_loads is not None and not s.tier_loads.ready(req):
             continue  # its prefix is being read from a tier: it waits, the batch does not
-        if reqs and shares_uncached_prefix(req, matches.get(req.rid, 0), reqs):
+        if reqs and chosen.shares_uncached_prefix(req, matches.get(req.rid, 0)):
             continue
         n = mem.admit(req, budget, chunk_cap, reserved + mem.future_tokens(req),
                       force=not (reqs or live))
@@ -80,6 +81,7 @@ def _admit(s: Scheduler, reqs: list[Req], lens: list[int], budget: int,
         reqs.append(req)
         lens.append(n)
         newly.append(req)
+        chosen.add(req)
         budget -= n
         reserved += req.num_uncomputed_tokens - n + mem.future_tokens(req)
     s.admitted(newly)

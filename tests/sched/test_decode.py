@@ -119,3 +119,29 @@ def test_decode_rows_persist_until_the_running_set_changes() -> None:
     assert len({id(v) for v, _ in views}) == 2
     assert second.version > first.version
     assert first.rows != second.rows and len(second.rows) == 2
+
+
+def test_the_sharing_test_compares_a_prompt_only_with_its_bucket(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 distinct 40-token prompts admitted in one round: each is compared with no chosen
+    prompt (their first 32 tokens differ), where comparing with every chosen one was
+    ~64^2 / 2 comparisons. Two prompts sharing 36 uncached tokens still wait a step."""
+    import radixserve.sched.queue_policy as policy
+
+    calls = {"n": 0}
+    real = policy.common_prefix_len
+
+    def counted(a: list[int], b: list[int]) -> int:
+        calls["n"] += 1
+        return real(a, b)
+
+    monkeypatch.setattr(policy, "common_prefix_len", counted)
+    s = wide_scheduler(80)
+    for i in range(64):
+        s.add(f"r{i}", [i % (VOCAB - 1) + 1, i // (VOCAB - 1) + 1] + [5] * 38,
+              SamplingParams(max_tokens=2))
+    s.add("twin", [1, 1] + [5] * 34 + [9, 9, 9, 9], SamplingParams(max_tokens=2))
+    batch = s.schedule()
+    assert batch is not None
+    assert {r.rid for r in batch.reqs} == {f"r{i}" for i in range(64)}  # the twin waits
+    assert calls["n"] == 1  # the twin against r0, its only bucket-mate
