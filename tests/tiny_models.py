@@ -58,10 +58,12 @@ def make_tiny_model(
     max_position_embeddings: int = 1024,
     seed: int = 0,
     rope_scaling: dict | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
-    """Save a random model of `arch` ("llama" | "qwen2" | "mistral") with our tokenizer."""
+    """Save a random model of `arch` ("llama" | "qwen2" | "mistral") with our tokenizer.
+    `vocab_size`: the model's (at least the tokenizer's; the ids past it have no text)."""
     tokenizer = make_tokenizer()
-    vocab_size = len(tokenizer)
+    vocab_size = max(vocab_size or 0, len(tokenizer))
     common = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
+from radixserve.sched.decode import DecodeRows
 from radixserve.sched.req import Batch, Req
 from radixserve.types import Phase
 
@@ -98,6 +100,33 @@ def find_shared_prefixes(reqs: list[Req]) -> list[tuple[list[int], int]]:
     return groups
 
 
+@dataclass(frozen=True)
+class _DecodeFixed:
+    """The inputs of a plain decode step that stay fixed while its running set does."""
+
+    rows: DecodeRows  # the scheduler's view these were built from
+    rows_t: torch.Tensor  # (B,) int64 table rows
+    ones: torch.Tensor  # (B,) int32: one new token each
+    ones_cpu: tuple[int, ...]
+    cu: torch.Tensor  # (B + 1,) int32 token offsets
+    arange: torch.Tensor  # (B,) int64: every token row samples
+    rows_cpu: tuple[int, ...]
+    shared: tuple[SharedPrefix, ...]  # tree pages do not change while a request decodes
+    own_start: torch.Tensor  # (B,) int64
+    own_start_cpu: tuple[int, ...]
+
+    @staticmethod
+    def build(rows: DecodeRows, runner: ModelRunner, dev: torch.device) -> _DecodeFixed:
+        n = len(rows.reqs)
+        shared, own_start = runner._shared_prefixes(rows.reqs)
+        return _DecodeFixed(
+            rows, torch.tensor(rows.rows, dtype=torch.int64, device=dev),
+            torch.ones(n, dtype=torch.int32, device=dev), (1,) * n,
+            torch.arange(n + 1, dtype=torch.int32, device=dev),
+            torch.arange(n, dtype=torch.int64, device=dev), tuple(rows.rows), tuple(shared),
+            torch.tensor(own_start, dtype=torch.int64, device=dev), tuple(own_start))
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, show_progress: bool = True) -> None:
         self.device, self.dtype = resolve_device_dtype(cfg)
@@ -144,6 +173,7 @@ class ModelRunner:
         self._log_pool()
         self.kv_scales = self.pool.layer_scales()
         self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
+        self._decode_fixed: _DecodeFixed | None = None  # of the last plain decode step
         # Last: the graphs read the pool's tensors and replay the model as it now is.
         self.graphs: CudaGraphRunner | None = start_graphs(
             cfg, self.device, self.backend_name, self.model, self.pool, self.spec.vocab_size)
@@ -186,6 +216,8 @@ class ModelRunner:
 
     def prepare(self, batch: Batch) -> StepInputs:
         """Flatten the batch into ragged inputs and write its slots into the slot table."""
+        if batch.rows is not None:
+            return self._prepare_decode(batch)
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
@@ -217,20 +249,7 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         out_slots_t = torch.tensor(out_slots, dtype=torch.int64, device=dev)
         self._write_table(rows_t, extend_t, positions_t, out_slots_t, back)
-        shared: list[SharedPrefix] = []
-        own_start = [0] * len(rows)
-        if len(reqs) > 1:
-            for members, length in find_shared_prefixes(reqs):
-                slots = reqs[members[0]].slots[:length]
-                consecutive = slots[-1] - slots[0] == length - 1 and all(
-                    b - a == 1 for a, b in itertools.pairwise(slots))
-                shared.append(SharedPrefix(
-                    members=torch.tensor(members, dtype=torch.int64, device=dev),
-                    slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-                    length=length, members_cpu=tuple(members),
-                    first_slot=slots[0] if consecutive else None))
-                for b in members:
-                    own_start[b] = length
+        shared, own_start = self._shared_prefixes(reqs)
         # Verifying drafts is a prefill over a cached prefix, not a one-token decode.
         phase = Phase.PREFILL if batch.phase is Phase.DECODE and batch.has_drafts else batch.phase
         meta = AttentionMetadata(
@@ -257,6 +276,56 @@ class ModelRunner:
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
+
+    def _shared_prefixes(self, reqs: list[Req]) -> tuple[list[SharedPrefix], list[int]]:
+        """The batch's groups of requests over the same tree pages, and where each request's
+        own part starts (0 outside any group)."""
+        dev = self.device
+        shared: list[SharedPrefix] = []
+        own_start = [0] * len(reqs)
+        if len(reqs) > 1:
+            for members, length in find_shared_prefixes(reqs):
+                slots = reqs[members[0]].slots[:length]
+                consecutive = slots[-1] - slots[0] == length - 1 and all(
+                    b - a == 1 for a, b in itertools.pairwise(slots))
+                shared.append(SharedPrefix(
+                    members=torch.tensor(members, dtype=torch.int64, device=dev),
+                    slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+                    length=length, members_cpu=tuple(members),
+                    first_slot=slots[0] if consecutive else None))
+                for b in members:
+                    own_start[b] = length
+        return shared, own_start
+
+    def _prepare_decode(self, batch: Batch) -> StepInputs:
+        """A plain decode step: one token per running request. What stays fixed while the
+        running set does (rows, offsets, shared prefixes) is built once per set (DecodeRows)
+        and kept; a step builds only its token ids, positions and new slots."""
+        rows, pos = batch.rows, batch.positions
+        assert rows is not None and pos is not None
+        fixed = self._decode_fixed
+        if fixed is None or fixed.rows is not rows:
+            fixed = self._decode_fixed = _DecodeFixed.build(rows, self, self.device)
+        reqs = rows.reqs
+        dev = self.device
+        ids = [r.token_ids[p] for r, p in zip(reqs, pos, strict=True)]
+        slots = [r.slots[p] for r, p in zip(reqs, pos, strict=True)]
+        back = [(reqs[i].table_row, first, reqs[i].slots[first : pos[i]])
+                for i, first in batch.lagging.items()]
+        positions_t = torch.tensor(pos, dtype=torch.int64, device=dev)  # (B,)
+        out_slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)  # (B,)
+        self._write_table(fixed.rows_t, fixed.ones, positions_t, out_slots_t, back)
+        prefix_t = positions_t.to(torch.int32)  # (B,)
+        max_pos = max(pos)
+        meta = AttentionMetadata(
+            phase=Phase.DECODE, slot_table=self.pool.slot_table, rows=fixed.rows_t,
+            prefix_lens=prefix_t, extend_lens=fixed.ones, seq_lens=prefix_t + 1,
+            cu_extend=fixed.cu, out_slots=out_slots_t, prefix_lens_cpu=tuple(pos),
+            extend_lens_cpu=fixed.ones_cpu, max_seq_len=max_pos + 1, max_extend_len=1,
+            rows_cpu=fixed.rows_cpu, shared=fixed.shared, own_start=fixed.own_start,
+            own_start_cpu=fixed.own_start_cpu)
+        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
+                          fixed.arange)
 
     def _write_table(self, rows: torch.Tensor, extend_lens: torch.Tensor,
                      positions: torch.Tensor, out_slots: torch.Tensor,
@@ -291,6 +360,9 @@ class ModelRunner:
             logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
                                         self.pool.k, self.pool.v, inputs.logit_rows,
                                         self.kv_scales)
+        if batch.rows is not None:  # a plain decode step: one token per running request
+            return self.sampler.sample(logits, batch.rows.reqs,
+                                       plain=batch.rows.plain_sampling)
         picked = [e for e in batch.entries if e.sample]
         if not picked:
             return SampleResult([], [])

@@ -57,10 +57,15 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req],
-               drafts: list[tuple[int, ...]] | None = None) -> SampleResult:
+               drafts: list[tuple[int, ...]] | None = None, plain: bool = False) -> SampleResult:
         """logits: (R, vocab) float32, in order: one row per request, or with `drafts`
         1 + len(drafts[i]) rows for request i (row j: its next token after drafts[i][:j];
-        speculative verification, see speculative/acceptance.py). Returns one token per row."""
+        speculative verification, see speculative/acceptance.py). Returns one token per row.
+        `plain`: the caller knows every request is greedy with nothing else to apply (no
+        penalties, bias, min_tokens, grammar or logprobs): the argmax, without looking at
+        each request."""
+        if plain:
+            return SampleResult(_greedy(logits).tolist(), [None] * len(reqs))
         raw = logits
         offsets = [0] * len(reqs)
         if drafts is not None and any(drafts):

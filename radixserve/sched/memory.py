@@ -81,6 +81,24 @@ class MemoryManager:
         req.slots.extend(self.allocator.pages_to_slots(pages))
         return True
 
+    def ensure_next_slots(self, reqs: list[Req]) -> bool:
+        """Every request's next slot (a decode step), in one allocation (with eviction) for all
+        that need a page. False, nothing changed, when the pool cannot give them all."""
+        needy = [r for r in reqs if len(r.slots) <= r.num_computed_tokens]
+        if not needy:
+            return True
+        pages = self._alloc_pages(len(needy))
+        if pages is None:
+            return False
+        size = self.page
+        if size == 1:
+            for r, page in zip(needy, pages, strict=True):
+                r.slots.append(page)
+        else:
+            for r, page in zip(needy, pages, strict=True):
+                r.slots.extend(range(page * size, page * size + size))
+        return True
+
     def trim_slots(self, req: Req, upto: int) -> None:
         """Free the request's slots past position `upto` (rounded up to a page): drafts the
         target model rejected. Only held slots past req.num_computed_tokens can go."""
@@ -188,7 +206,8 @@ class MemoryManager:
         `lens` tokens): the rest of their prompts beyond this step's chunk (already
         allocated) and an estimate of their future decode tokens."""
         this_step = {id(r): n for r, n in zip(batch, lens, strict=True)}
-        promised = live + [r for r in batch if r not in live]
+        in_live = {id(r) for r in live}
+        promised = live + [r for r in batch if id(r) not in in_live]
         return sum(r.num_uncomputed_tokens - this_step.get(id(r), 0) + self.future_tokens(r)
                    for r in promised)
 

@@ -46,17 +46,34 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def shares_uncached_prefix(req: Req, num_cached: int, chosen: Sequence[Req]) -> bool:
-    """True when `req` shares >= SHARE_MIN_TOKENS uncached prompt tokens with a chosen request.
+class SharingIndex:
+    """The prompts chosen for one step, bucketed by their first SHARE_MIN_TOKENS tokens.
 
-    Such a request should wait one step: the chosen one computes the shared part and inserts
-    it into the tree, and this one then hits the cache instead of computing it again.
+    A request shares >= SHARE_MIN_TOKENS uncached tokens with a chosen one only if their
+    first SHARE_MIN_TOKENS tokens are equal, so it is compared only with its bucket: admitting
+    N requests with distinct prompts costs O(N), not O(N^2) comparisons.
     """
-    prompt = req.token_ids[: req.num_prompt_tokens]
-    if len(prompt) - num_cached < SHARE_MIN_TOKENS:
+
+    def __init__(self, chosen: Sequence[Req] = ()) -> None:
+        self._buckets: dict[tuple[int, ...], list[Req]] = {}
+        for req in chosen:
+            self.add(req)
+
+    def add(self, req: Req) -> None:
+        if req.num_prompt_tokens >= SHARE_MIN_TOKENS:
+            key = tuple(req.token_ids[:SHARE_MIN_TOKENS])
+            self._buckets.setdefault(key, []).append(req)
+
+    def shares_uncached_prefix(self, req: Req, num_cached: int) -> bool:
+        """True when `req` shares >= SHARE_MIN_TOKENS uncached prompt tokens with a chosen
+        request. Such a request should wait one step: the chosen one computes the shared part
+        and inserts it into the tree, and this one then hits the cache instead of computing
+        it again."""
+        prompt = req.token_ids[: req.num_prompt_tokens]
+        if len(prompt) - num_cached < SHARE_MIN_TOKENS:
+            return False
+        for other in self._buckets.get(tuple(prompt[:SHARE_MIN_TOKENS]), ()):
+            shared = common_prefix_len(prompt, other.token_ids[: other.num_prompt_tokens])
+            if shared - num_cached >= SHARE_MIN_TOKENS:
+                return True
         return False
-    for other in chosen:
-        shared = common_prefix_len(prompt, other.token_ids[: other.num_prompt_tokens])
-        if shared - num_cached >= SHARE_MIN_TOKENS:
-            return True
-    return False

@@ -1,7 +1,8 @@
 """The engine's view of a request, and the batch the scheduler hands to the model runner.
 
 Owns: Req (mutable; only the scheduler, and its MemoryManager for the page fields, write
-it), ReqStatus, ScheduledReq and Batch (frozen: what one forward computes), the chunk rule.
+it), ReqStatus, ScheduledReq and Batch (not mutated once built: what one forward computes),
+the chunk rule.
 Does not know: HTTP, tokenizers, tensors. Req compares by identity (eq=False): two requests
 with equal fields are still two requests, and `req in list` must not compare token lists.
 """
@@ -17,6 +18,7 @@ from radixserve.types import FinishReason, Phase, SamplingParams
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import TreeNode
     from radixserve.grammar.backend import Matcher
+    from radixserve.sched.decode import DecodeRows
     from radixserve.speculative.drafter import SpecState
 
 
@@ -115,17 +117,37 @@ class ScheduledReq:
     draft: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, eq=False)
 class Batch:
     """What the scheduler hands to the model runner for one forward: one entry per request.
 
     PREFILL: prompt chunks. DECODE: one token per request. MIXED: a DECODE batch of the first
-    `num_decodes` entries followed by prefill chunks.
+    `num_decodes` entries followed by prefill chunks. A plain decode step (one token for every
+    running request, no drafts) is given as `rows` (the scheduler's persistent view of the
+    running set, sched/decode.py) and `positions` (each request's position this step); its
+    entries are then built only if something asks for them. Not mutated after it is built.
     """
 
-    phase: Phase
-    entries: list[ScheduledReq]
-    num_decodes: int = 0  # MIXED only: entries[:num_decodes] are running requests' decodes
+    def __init__(self, phase: Phase, entries: list[ScheduledReq] | None = None,
+                 num_decodes: int = 0, rows: DecodeRows | None = None,
+                 positions: list[int] | None = None,
+                 lagging: dict[int, int] | None = None) -> None:
+        assert (entries is None) == (rows is not None and positions is not None)
+        self.phase = phase
+        self.num_decodes = num_decodes
+        self.rows = rows
+        self.positions = positions
+        # rows batches: index -> table_from, for the few whose table row lags (see ScheduledReq)
+        self.lagging = lagging or {}
+        self._entries = entries
+
+    @property
+    def entries(self) -> list[ScheduledReq]:
+        if self._entries is None:
+            assert self.rows is not None and self.positions is not None
+            lag = self.lagging
+            self._entries = [ScheduledReq(r, 1, True, lag.get(i, p)) for i, (r, p) in
+                             enumerate(zip(self.rows.reqs, self.positions, strict=True))]
+        return self._entries
 
     def is_prefill(self, i: int) -> bool:
         """Whether entries[i] computes prompt tokens (PREFILL, or the prefill part of MIXED)."""
@@ -134,6 +156,8 @@ class Batch:
 
     @property
     def reqs(self) -> list[Req]:
+        if self.rows is not None:
+            return self.rows.reqs
         return [e.req for e in self.entries]
 
     @property
@@ -142,12 +166,14 @@ class Batch:
 
     @property
     def has_drafts(self) -> bool:
-        return any(e.draft for e in self.entries)
+        return self.rows is None and any(e.draft for e in self.entries)
 
     @property
     def size(self) -> int:
-        return len(self.entries)
+        return len(self.rows.reqs) if self.rows is not None else len(self.entries)
 
     @property
     def num_tokens(self) -> int:
+        if self.rows is not None:
+            return len(self.rows.reqs)
         return sum(e.num_new_tokens for e in self.entries)

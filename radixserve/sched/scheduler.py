@@ -1,13 +1,14 @@
 """Scheduler: the waiting queue, admission, chunked prefill, decode batches, preemption.
 
-Owns: every Req's lifecycle (it is their only mutator: status, queues, finish, counters,
-grammar matchers; its MemoryManager writes the page fields on its behalf), and the request
-side of page ownership. Each page is free (PageAllocator), cached (RadixCache) or held by
-exactly one request: `req.slots[req.num_tree_tokens:]`. `req.slots[:req.num_tree_tokens]`
-are tree pages, locked through `req.cache_node`. Does not know: tensors (the model runner
-writes the slot table from each batch; the scheduler keeps slots and row numbers), sampling,
-HTTP. Which requests a step runs is decided by its BatchPlanner (planner.py), which returns
-a StepPlan; schedule() here applies it to the requests.
+Owns: every Req's lifecycle and the queues. It is the one writer of a request's status and
+queue (admitted, started_decoding, retract, end, fail: the only places either changes); its
+helpers decide on its behalf and call those: prefill.py (chunks and admission), decode.py
+(the decode plan and the persistent view of the running set), preemption.py (victims),
+outputs.py (sampled tokens, stop rules); its MemoryManager writes the page fields. Each page
+is free (PageAllocator), cached (RadixCache) or held by exactly one request:
+`req.slots[req.num_tree_tokens:]`. `req.slots[:req.num_tree_tokens]` are tree pages, locked
+through `req.cache_node`. Does not know: tensors (the model runner writes the slot table from
+each batch; the scheduler keeps slots and row numbers), sampling, HTTP.
 
 One step is PREFILL (chunks of waiting/partially prefilled prompts, ordered by
 policy, sharing-aware), DECODE (one token for every running request), or, by default while
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
@@ -38,20 +39,26 @@ from radixserve.config import EngineConfig
 from radixserve.config.speculative_config import SpeculativeConfig
 from radixserve.grammar.compiler import GrammarCompiler
 from radixserve.sched.counters import EngineCounters
+from radixserve.sched.decode import DecodeRows, build_rows, plan_decode
 from radixserve.sched.memory import MemoryManager
+from radixserve.sched.outputs import process_outputs
 from radixserve.sched.pins import PinTable
-from radixserve.sched.planner import BatchPlanner, Move, StepPlan
+from radixserve.sched.prefill import plan_prefill
 from radixserve.sched.req import Batch, Req, ReqStatus
-from radixserve.sched.request_rules import checked_max_new_tokens, stop_reason
+from radixserve.sched.request_rules import checked_max_new_tokens
 from radixserve.sched.speculation import Speculation
 from radixserve.sched.tier_loads import TierLoads
 from radixserve.types import (
     FinishReason,
     InvalidRequestError,
+    Phase,
     SamplingParams,
     TokenLogprobs,
     TokenOutput,
 )
+
+if TYPE_CHECKING:
+    from radixserve.grammar.backend import Matcher
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammars = grammars  # compiles constrained requests' grammars off the step
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prompt not fully computed (chunked)
         self.running: list[Req] = []  # decoding
@@ -83,17 +91,10 @@ class Scheduler:
         self.counters = EngineCounters()
         # Requests whose prefix continues in a tier wait here while a worker loads it.
         self.tier_loads = None if tiers is None else TierLoads(tiers, self.mem)
-        self.planner = BatchPlanner(cfg, self.mem, grammars, self.waiting, self.prefilling,
-                                    self.running, self.tier_loads, self.spec)
-
-    @property
-    def grammars(self) -> GrammarCompiler | None:
-        """The compiler of constrained requests' grammars (the planner polls the same one)."""
-        return self.planner.grammars
-
-    @grammars.setter
-    def grammars(self, compiler: GrammarCompiler | None) -> None:
-        self.planner.grammars = compiler
+        self.last_phase = Phase.DECODE  # without mixed steps, prefill and decode alternate
+        # The persistent view of `running` (decode.py), rebuilt when its version moves on.
+        self._running_version = 0
+        self._rows: DecodeRows | None = None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -124,10 +125,9 @@ class Scheduler:
             self.waiting.remove(req)
             if self.tier_loads is not None:
                 self.tier_loads.forget(req)  # a load still running finishes as an orphan
+            self._finish(req, FinishReason.ABORT)
         else:
-            self._drop_live(req)
-            self.mem.release(req)
-        self._finish(req, FinishReason.ABORT)
+            self.end(req, FinishReason.ABORT)
         self.counters.num_aborted_requests += 1
         self.aborted.append((req, None))
 
@@ -153,20 +153,52 @@ class Scheduler:
             self.pins.expire()  # lazily: an expired pin only matters when pages are needed
         if self.tier_loads is not None:
             self.tier_loads.sync()
-        plan = self.planner.plan()
-        self._apply(plan)
-        return plan.batch
+        want_prefill = bool(self.waiting or self.prefilling)
+        if want_prefill and self.running and self.cfg.mixed_chunk:
+            return self._plan_mixed()
+        if want_prefill and (self.last_phase is Phase.DECODE or not self.running):
+            batch = plan_prefill(self)
+            if batch is not None:
+                self.last_phase = Phase.PREFILL
+                return batch
+        batch = plan_decode(self)
+        if batch is not None:
+            self.last_phase = Phase.DECODE
+        elif want_prefill:
+            batch = plan_prefill(self)
+        return batch
 
-    def _apply(self, plan: StepPlan) -> None:
-        """Set what the planner decided on the requests (it only moved them and their pages)."""
-        for req, matcher in plan.matchers.values():
-            req.grammar = matcher
-        for move, req in plan.moves:
-            if move is Move.RETRACT:
-                req.status = ReqStatus.WAITING
-                req.num_preemptions += 1
-                self.counters.num_preemptions += 1
-                continue
+    def _plan_mixed(self) -> Batch:
+        decode = plan_decode(self)
+        assert decode is not None
+        budget = min(self.cfg.max_prefill_tokens,
+                     self.cfg.chunked_prefill_size or self.cfg.max_prefill_tokens)
+        prefill = plan_prefill(self, budget, keep=decode.reqs)
+        self.last_phase = Phase.DECODE if prefill is None else Phase.MIXED
+        if prefill is None:
+            return decode
+        return Batch(Phase.MIXED, decode.entries + prefill.entries, num_decodes=decode.size)
+
+    def decode_rows(self) -> DecodeRows:
+        """The persistent view of the running set, rebuilt only after it changed."""
+        rows = self._rows
+        if rows is None or rows.version != self._running_version:
+            rows = self._rows = build_rows(self.running, self._running_version,
+                                           self.eos_token_ids, self.max_model_len)
+        return rows
+
+    # ---- the one writer of a request's status and queue ----------------------------------
+
+    def admitted(self, reqs: list[Req]) -> None:
+        """waiting -> prefilling: `reqs` were matched and given their first chunk's pages."""
+        if not reqs:
+            return
+        taken = {id(r) for r in reqs}
+        left = [r for r in self.waiting if id(r) not in taken]  # one pass, not one per admit
+        self.waiting.clear()
+        self.waiting.extend(left)
+        for req in reqs:
+            self.prefilling.append(req)
             req.status = ReqStatus.RUNNING
             if self.tier_loads is not None:
                 self.tier_loads.forget(req)
@@ -176,89 +208,45 @@ class Scheduler:
                 self.counters.prefix_cache_queries += req.num_prompt_tokens
                 self.counters.prefix_cache_hits += req.num_computed_tokens
                 self.counters.prompt_tokens += req.num_prompt_tokens
-        for req in plan.passed_over:  # ages towards the policy's guard
+        for req in left:  # passed over: ages towards the policy's guard
             req.num_skips += 1
-        for req, error in plan.failed.values():  # ends here; its client gets a 400
-            self.waiting.remove(req)
-            self._finish(req, FinishReason.ABORT)
-            self.aborted.append((req, error))
 
-    # ---- results -------------------------------------------------------------------------
+    def started_decoding(self, req: Req) -> None:
+        """prefilling -> running: its prompt is computed and its first token sampled."""
+        self.prefilling.remove(req)
+        self.running.append(req)
+        self._running_version += 1
 
-    def process_outputs(self, batch: Batch, token_ids: list[int],
-                        logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
-        """One token per sampled row: one per request with `sample` set, or 1 + len(draft)
-        for a request with a draft (its verification: speculative/acceptance.py)."""
-        outputs = self.drain_aborted()
-        sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=True))
-        self.counters.computed_tokens += batch.num_tokens
-        for i, entry in enumerate(batch.entries):
-            req = entry.req
-            if entry.draft:
-                rows = [next(sampled) for _ in range(entry.num_new_tokens)]
-                if req.status is not ReqStatus.FINISHED:
-                    outputs += self._keep_verified(req, entry.draft, rows)
-                continue
-            req.num_computed_tokens += entry.num_new_tokens
-            req.num_table_slots = req.num_computed_tokens  # the runner wrote the table row
-            prefill = batch.is_prefill(i)
-            if prefill:
-                self.mem.cache_progress(req)
-            if not entry.sample:
-                continue
-            token, lp = next(sampled)
-            if req.status is ReqStatus.FINISHED:
-                continue  # aborted while its forward ran
-            if prefill:
-                self.prefilling.remove(req)
-                self.running.append(req)
-            out = self._append(req, token, lp)
-            if out.finish_reason is None:
-                self.spec.on_tokens(req, token)
-            outputs.append(out)
-        return outputs
+    def retract(self, req: Req) -> None:
+        """running/prefilling -> front of waiting, its pages released (preemption)."""
+        self._drop_live(req)
+        self.mem.release(req)
+        self.mem.on_retract(self.running)
+        self.waiting.appendleft(req)
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
 
-    def _append(self, req: Req, token: int, lp: TokenLogprobs | None) -> TokenOutput:
-        """Append one kept token, apply the stop rules; finish the request if one fires."""
-        req.token_ids.append(token)
-        self.counters.generation_tokens += 1
-        reason = stop_reason(req, token, self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            self._drop_live(req)
-            self.mem.release(req)
-            self._finish(req, reason)
-        spec = req.spec
-        return TokenOutput(req.rid, token, reason, req.num_prompt_tokens, req.num_cached_tokens,
-                           lp, num_draft_tokens=spec.num_drafted if spec else 0,
-                           num_accepted_draft_tokens=spec.num_accepted if spec else 0)
+    def end(self, req: Req, reason: FinishReason) -> None:
+        """A live request finishes: its pages go to the tree and the allocator."""
+        self._drop_live(req)
+        self.mem.release(req)
+        self._finish(req, reason)
 
-    def _keep_verified(self, req: Req, draft: tuple[int, ...],
-                       rows: list[tuple[int, TokenLogprobs | None]]) -> list[TokenOutput]:
-        """A running request's verified draft: keep the accepted tokens and the next one,
-        each through the stop rules (a stop ends it mid-way; the rest is dropped)."""
-        kept = self.spec.verify(req, draft, [t for t, _ in rows])
-        outputs: list[TokenOutput] = []
-        for token, (_, lp) in zip(kept, rows, strict=False):
-            # This forward computed KV for every token before `token`: the last one and the
-            # accepted drafts (token is kept[j], whose draft twin was accepted for j < last).
-            req.num_computed_tokens = req.num_table_slots = req.num_tokens
-            out = self._append(req, token, lp)
-            outputs.append(out)
-            if out.finish_reason is not None:
-                return outputs
-        self.spec.after_tokens(req, kept, self.mem)
-        return outputs
+    def fail(self, req: Req, error: str) -> None:
+        """A waiting request ends with an error (its grammar did not compile); its client gets
+        a 400 at the next step."""
+        self.waiting.remove(req)
+        self._finish(req, FinishReason.ABORT)
+        self.aborted.append((req, error))
 
-    def drain_aborted(self) -> list[TokenOutput]:
-        """Outputs of requests that ended without a forward: aborted, or grammar failed."""
-        outputs = [TokenOutput(r.rid, None, FinishReason.ABORT, r.num_prompt_tokens,
-                               r.num_cached_tokens, error=error) for r, error in self.aborted]
-        self.aborted.clear()
-        return outputs
+    def set_matcher(self, req: Req, matcher: Matcher) -> None:
+        req.grammar = matcher  # its grammar compiled: kept until it finishes
 
     def _drop_live(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
+            self._running_version += 1
         elif req in self.prefilling:
             self.prefilling.remove(req)
 
@@ -268,6 +256,20 @@ class Scheduler:
         req.finish_reason = reason
         req.grammar = None  # the matcher's lifetime ends with the request
         del self.reqs[req.rid]
+
+    # ---- results -------------------------------------------------------------------------
+
+    def process_outputs(self, batch: Batch, token_ids: list[int],
+                        logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
+        """One token per sampled row (outputs.py)."""
+        return process_outputs(self, batch, token_ids, logprobs)
+
+    def drain_aborted(self) -> list[TokenOutput]:
+        """Outputs of requests that ended without a forward: aborted, or grammar failed."""
+        outputs = [TokenOutput(r.rid, None, FinishReason.ABORT, r.num_prompt_tokens,
+                               r.num_cached_tokens, error=error) for r, error in self.aborted]
+        self.aborted.clear()
+        return outputs
 
     def flush_cache(self, include_pins: bool = False) -> bool:
         """Drop every cached prefix but the pinned ones (all, with include_pins). False

@@ -110,7 +110,10 @@ class Speculation:
         """A decode step's output tokens and duration, for the gate (other steps include
         prefill work and say nothing about drafting). Counted only for a batch that can
         draft: without speculation a step pays no more than this check."""
-        if batch.phase is Phase.DECODE and any(r.spec is not None for r in batch.reqs):
+        if batch.phase is not Phase.DECODE:
+            return
+        if (batch.rows.any_spec if batch.rows is not None
+                else any(r.spec is not None for r in batch.reqs)):
             num_tokens = sum(o.token_id is not None for o in outputs)
             self.gate.observe(batch.size, batch.has_drafts, num_tokens, seconds)
 

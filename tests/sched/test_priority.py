@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from radixserve import LLM, SamplingParams
+from radixserve.sched.preemption import pick_victim
 from tests.sched.test_scheduler import fake_run, make_scheduler
 
 
@@ -39,9 +40,9 @@ def test_preemption_picks_the_least_important_request_first() -> None:
         sched.process_outputs(batch, fake_run(batch))
     assert {r.rid for r in sched.running} == {"batch-old", "important", "batch-new"}
     # Among the unimportant ones: the one that loses least (the shorter prompt computed).
-    victim = sched.planner.pick_victim(exclude=[])
+    victim = pick_victim(sched, exclude=[])
     assert victim is not None and victim.rid == "batch-new"
     important = sched.reqs["important"]
     others = [r for r in sched.running if r.priority == 3]
-    assert sched.planner.pick_victim(exclude=others) is important  # only when nothing else is left
+    assert pick_victim(sched, exclude=others) is important  # only when nothing else is left
     sched.check_integrity()
