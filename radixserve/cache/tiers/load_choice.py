@@ -59,12 +59,14 @@ class DecayingRate:
         self._clock = clock
         self._last = 0.0
 
-    def add(self, amount: float, seconds: float) -> None:
+    def add(self, amount: float, seconds: float, replace: bool = False) -> None:
+        """`replace`: the sample is a probe's, taken because the average was in doubt; it
+        stands alone rather than being blended with what it was sent to re-measure."""
         if amount <= 0 or seconds <= 0:
             return
         now = self._clock()
         r = amount / seconds
-        if self.rate is None:
+        if self.rate is None or replace:
             self.rate = r
         else:
             w = max(EMA, 1.0 - 0.5 ** ((now - self._last) / HALF_LIFE_S))
@@ -138,6 +140,7 @@ class LoadChoice:
         self.counts = {t: dict.fromkeys((c.value for c in Choice), 0) for t in tiers}
         self._clock = clock
         self._last_load = dict.fromkeys(tiers, -math.inf)  # when each tier was last loaded
+        self._probing: set[Tier] = set()  # tiers whose next measured load is a probe's
         self._last_seconds = dict.fromkeys(tiers, 0.0)  # how long that load took
         self.probe_s = PROBE_S
 
@@ -169,6 +172,8 @@ class LoadChoice:
         for t in dict.fromkeys(tiers[: decision.num_blocks]):
             self.counts[t][decision.choice.value] += 1
             self._last_load[t] = self._clock()
+            if decision.choice is Choice.PROBE:
+                self._probing.add(t)
         for t in dict.fromkeys(tiers[decision.num_blocks:]):
             self.counts[t][Choice.RECOMPUTE.value] += 1
         return decision
@@ -184,5 +189,7 @@ class LoadChoice:
                   ) -> None:
         for tier, nbytes in bytes_by_tier.items():
             seconds = seconds_by_tier.get(tier, 0.0)
-            self.rates[tier].add(nbytes, seconds)
+            probed = tier in self._probing
+            self._probing.discard(tier)
+            self.rates[tier].add(nbytes, seconds, replace=probed)
             self._last_load[tier], self._last_seconds[tier] = self._clock(), seconds

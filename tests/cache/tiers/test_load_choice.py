@@ -96,3 +96,25 @@ def test_a_rate_follows_a_new_sample_more_the_longer_the_gap() -> None:
     clock.now += 60  # a minute later: the new sample is nearly all of it
     r.add(1000, 1.0)
     assert r.rate is not None and r.rate > 999
+
+
+def test_a_probe_sample_replaces_the_average_it_was_sent_to_recheck() -> None:
+    """The probe re-measures a tier the average has written off: blended with that average
+    (a short gap weighs a new sample little) one fast probe would leave the tier skipped."""
+    clock = Clock()
+    choice = LoadChoice([Tier.LOCAL], PER_TOKEN, clock)
+    ends, tiers = [256], [Tier.LOCAL]
+    choice.prefill = fitted(a=1e-4, b=0.0)  # recomputing 256 tokens: ~26 ms
+    choice.probe_s = 0.01
+    choice.note_load({Tier.LOCAL: 1000}, {Tier.LOCAL: 0.01})  # a short, very slow load
+    assert choice.decide(0, ends, tiers).choice is Choice.RECOMPUTE
+    clock.now += choice.probe_due_in(Tier.LOCAL)  # 0.1 s later: a short gap
+    assert choice.decide(0, ends, tiers).choice is Choice.PROBE
+    choice.note_load({Tier.LOCAL: 256 * PER_TOKEN}, {Tier.LOCAL: 0.01})  # 10 ms: fast enough
+    assert choice.rates[Tier.LOCAL].rate == pytest.approx(256 * PER_TOKEN / 0.01)
+    clock.now += 0.001
+    assert choice.decide(0, ends, tiers).choice is Choice.LOAD  # blended, it would recompute
+    # An ordinary (not probed) sample is blended again, not taken alone.
+    choice.note_load({Tier.LOCAL: 1000}, {Tier.LOCAL: 0.01})
+    rate = choice.rates[Tier.LOCAL].rate
+    assert rate is not None and rate > 256 * PER_TOKEN / 0.01 / 2
