@@ -20,6 +20,7 @@ from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.pin_calls import PinCalls
 from radixserve.engine.tiers_setup import build_tiers, pool_medium
 from radixserve.grammar.backend import GrammarBackend
 from radixserve.grammar.compiler import GrammarCompiler
@@ -27,13 +28,10 @@ from radixserve.ipc.messages import (
     CacheCallMsg,
     CallResultMsg,
     GenerateMsg,
-    ListPinsMsg,
-    PinMsg,
-    UnpinMsg,
 )
 from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
-from radixserve.types import InvalidRequestError, Phase, SamplingParams, TokenOutput
+from radixserve.types import Phase, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +81,10 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
                                    r.spec.vocab_size, r.eos_token_ids, self.grammars,
                                    self.tiers, cfg.speculative_config)
-        self._replies: list[CallResultMsg] = []
         self.timings: dict[str, RequestTiming] = {}  # rid -> its engine timings
         if self.scheduler.tier_loads is not None:
             self.scheduler.tier_loads.on_load = self._note_load
-        self._pin_prefills: dict[str, PinMsg] = {}  # rid of the prefill request -> the call
+        self.pin_calls = PinCalls(self.scheduler, cfg.disable_radix_cache)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -139,8 +136,7 @@ class Engine:
             self._note_step(batch, time.perf_counter() - t0)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
             self.scheduler.spec.observe_step(batch, outputs, time.perf_counter() - t0)
-        if self._pin_prefills:
-            outputs = [o for o in outputs if not self._pin_prefill_done(o)]
+        outputs = self.pin_calls.client_outputs(outputs)
         if self.tiers is not None:
             self.tiers.end_step()  # the step's tier work joins the step-wait histogram
         return outputs
@@ -179,68 +175,13 @@ class Engine:
             self.tiers.close()
             self.tiers = None
 
-    # ---- pinned prefixes (the calls of /cache/pin) ----------------------------------------
+    # ---- pinned prefixes (the calls of /cache/pin): engine/pin_calls.py answers them ----
 
     def call(self, msg: CacheCallMsg) -> None:
-        """Answer a pin call now, or (a pin whose prefix must be computed first) after its
-        prefill request finishes; replies are collected by drain_replies()."""
-        pins = self.scheduler.pins
-        try:
-            if isinstance(msg, PinMsg):
-                self._pin(msg)
-            elif isinstance(msg, UnpinMsg):
-                n = (pins.release(msg.pin_id) if msg.pin_id is not None
-                     else pins.release_matching(msg.token_ids or [], msg.salt))
-                self._replies.append(CallResultMsg(msg.call_id, {"released": int(n)}))
-            elif isinstance(msg, ListPinsMsg):
-                pins.expire()
-                now = time.monotonic()
-                listed = [p.describe(now) for p in pins.pins.values()]
-                self._replies.append(CallResultMsg(msg.call_id, {
-                    "pins": listed, "pinned_tokens": pins.pinned_tokens,
-                    "max_pinned_tokens": pins.max_pinned_tokens}))
-        except InvalidRequestError as err:
-            self._replies.append(CallResultMsg(msg.call_id, error=str(err), status=err.status))
+        self.pin_calls.call(msg)
 
     def drain_replies(self) -> list[CallResultMsg]:
-        replies, self._replies = self._replies, []
-        return replies
-
-    def _pin(self, msg: PinMsg) -> None:
-        if self.cfg.disable_radix_cache:
-            raise InvalidRequestError("the radix cache is disabled: nothing can be pinned")
-        pins = self.scheduler.pins
-        pins.check_room(len(msg.token_ids))
-        pin = pins.try_pin(msg.token_ids, msg.salt, msg.ttl_s)
-        if pin is not None:
-            self._replies.append(CallResultMsg(msg.call_id, self._pin_result(pin, 0)))
-            return
-        # Not all cached yet: compute it as a one-token request, pin when it finishes.
-        rid = f"pin-{msg.call_id}"
-        self.scheduler.add(rid, list(msg.token_ids), SamplingParams(
-            temperature=0, max_tokens=1, ignore_eos=True), msg.salt, priority=-1)
-        self._pin_prefills[rid] = msg
-
-    def _pin_prefill_done(self, out: TokenOutput) -> bool:
-        """True when `out` belongs to a pin's prefill request (never sent to a client)."""
-        msg = self._pin_prefills.get(out.rid)
-        if msg is None:
-            return False
-        if out.finish_reason is not None:
-            del self._pin_prefills[out.rid]
-            pin = self.scheduler.pins.try_pin(msg.token_ids, msg.salt, msg.ttl_s)
-            if pin is None:
-                self._replies.append(CallResultMsg(
-                    msg.call_id, error="the prefix could not be cached (aborted)", status=503))
-            else:
-                computed = len(pin.token_ids) - out.num_cached_tokens
-                self._replies.append(CallResultMsg(msg.call_id, self._pin_result(pin, computed)))
-        return True
-
-    @staticmethod
-    def _pin_result(pin: Any, computed: int) -> dict[str, Any]:
-        return {"pin_id": pin.pin_id, "num_tokens": len(pin.token_ids),
-                "prefilled_tokens": computed}
+        return self.pin_calls.drain_replies()
 
     def drain_cache_events(self) -> list[CacheEvent]:
         if self.tiers is not None and self.cfg.enable_kv_events:
