@@ -1,6 +1,6 @@
 """Native CPU attention kernels: building and loading them, and their torch references.
 
-Owns: compiling csrc/paged_decode.cpp and csrc/prefill_attention*.cpp into one extension with
+Owns: compiling csrc/paged_decode*.cpp and csrc/prefill_attention*.cpp into one extension with
 torch's C++ extension loader (once per source version and machine, cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR; a first build is logged with its
 duration), the resulting ops `torch.ops.radixserve.paged_decode` and
@@ -29,11 +29,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_bf16.cpp")]
+           for name in ("paged_decode.cpp", "paged_decode_fp8.cpp", "paged_decode_fp8_amx.cpp",
+                        "paged_decode_fp8_bf16.cpp", "prefill_attention.cpp",
+                        "prefill_attention_bf16.cpp")]
 # The extension's name carries the source's version (a changed kernel gets a fresh build; torch
 # also rebuilds on a source hash change) and the CPU's flags: the build is -march=native, so
 # a cache directory shared with another kind of CPU must not hand it a binary it cannot run.
-EXT_BASE = "radixserve_cpu_attention_v19"
+EXT_BASE = "radixserve_cpu_attention_v20"
 # -ffast-math lets gcc vectorize the softmax's exp (glibc's libmvec). It is passed to the
 # compile step only: a link with it would add crtfastmath (flush-to-zero for the whole process).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -45,6 +47,9 @@ LDFLAGS = ["-fopenmp"]
 # Loading a cached build takes well under this; longer means torch recompiled it.
 REBUILD_NOTICE_S = 5.0
 ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the torch path)
+# "1": the 8-bit decode kernel keeps its AVX512-BF16 path on an AMX CPU (read once per process by
+# csrc/paged_decode_fp8_amx.cpp; to compare or test the two paths)
+ENV_NO_AMX = "RADIXSERVE_NO_AMX"
 
 # prefill_attention's head dims (template instances in the kernel); others keep the torch path
 PREFILL_HEAD_DIMS = (32, 64, 128)

@@ -4,10 +4,16 @@ varlen, native kernels) over an 8-bit pool equals the same backend over the dequ
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from radixserve.attention.cpu_kernels import (
+    ENV_NO_AMX,
     load_paged_decode,
     load_prefill_attention,
     paged_decode_reference,
@@ -67,10 +73,13 @@ def all_codes_cache(fmt: torch.dtype, hkv: int, d: int) -> torch.Tensor:
     return codes.repeat(reps)[: row * 8].view(8, hkv, d)
 
 
-@pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 blocked path; 40: the generic one
+@pytest.mark.parametrize("d", [64, 40])  # 64: the vector / tile paths; 40: the generic one
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, d: int) -> None:
-    """One key per request: the output is that slot's V row times its scale, exactly."""
+def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, qdtype: torch.dtype,
+                                                     d: int) -> None:
+    """One key per request: the output is that slot's V row times its scale, exactly (rounded
+    to q's dtype once)."""
     op = load_paged_decode()
     assert op is not None
     hkv, g = 3, 2
@@ -78,23 +87,31 @@ def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, d: int) -
     k8 = torch.zeros_like(v8)
     ks, vs = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([0.25, 1.0, 3.0])
     table = torch.arange(8, dtype=torch.int32).view(8, 1)
-    q = torch.randn(8, hkv * g, d)
+    q = torch.randn(8, hkv * g, d).to(qdtype)
     out, _ = op(q, k8, v8, table, torch.arange(8), torch.zeros(8, dtype=torch.int64),
                 torch.ones(8, dtype=torch.int64), 0.1, ks, vs)
     want = dequantize(v8, vs, torch.float32).repeat_interleave(g, dim=1)  # (8, hq, d)
-    assert torch.equal(out, want)
+    assert torch.equal(out, want.to(qdtype))
 
 
-@pytest.mark.parametrize("d", [64, 40])
+# (KV heads, query heads per KV head, head_dim): SmolLM2's; the generic head_dim; 24 query
+# heads (two lane groups in the tile path's softmax) at head_dim 128; 17 per KV head (more
+# than a tile's rows: the AVX512-BF16 path)
+SHAPES = [(3, 3, 64), (3, 3, 40), (2, 12, 128), (1, 17, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_kernel_matches_dequantizing_reference(fmt: torch.dtype, qdtype: torch.dtype,
-                                                      d: int) -> None:
+                                                      shape: tuple[int, int, int]) -> None:
     op = load_paged_decode()
     assert op is not None
-    gen = torch.Generator().manual_seed(d)
-    S, hkv, g = 700, 3, 3
-    k = torch.randn(S, hkv, d, generator=gen) * torch.tensor([0.5, 2.0, 8.0])[None, :, None]
+    hkv, g, d = shape
+    gen = torch.Generator().manual_seed(d + g)
+    S = 700
+    spread = torch.tensor([0.5, 2.0, 8.0])[:hkv]
+    k = torch.randn(S, hkv, d, generator=gen) * spread[None, :, None]
     v = torch.randn(S, hkv, d, generator=gen)
     ks = scales_from_amax(k.abs().amax(dim=(0, 2)), fmt)
     vs = scales_from_amax(v.abs().amax(dim=(0, 2)), fmt)
@@ -110,6 +127,18 @@ def test_decode_kernel_matches_dequantizing_reference(fmt: torch.dtype, qdtype: 
     tol = 1e-5 if qdtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_avx512_bf16_path_without_amx() -> None:
+    """On a CPU with AMX the bf16 tests above run the tile path; RADIXSERVE_NO_AMX=1 (read once
+    per process) makes them run the AVX512-BF16 path instead: the same tests, in a child."""
+    env = {**os.environ, ENV_NO_AMX: "1"}
+    tests = "decode_kernel_reads_every_byte_code or decode_kernel_matches_dequantizing"
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         "-k", tests], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    assert " passed" in child.stdout and "failed" not in child.stdout
 
 
 def test_decode_kernel_refuses_an_8bit_pool_without_scales() -> None:

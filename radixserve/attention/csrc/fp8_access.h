@@ -71,6 +71,97 @@ constexpr float load32_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #define RS_FP8_AVX512 0
 #endif
 
+// The bf16 bits of a code's magnitude (its low 7 bits): every e4m3 and e5m2 value, subnormals
+// included, is a normal bf16 value, so the conversion is exact. Split into the low and the
+// high byte, one 128-entry table each, for vpermi2b lookups (Bf16Lut).
+template <Format F>
+constexpr uint16_t bf16_bits(uint32_t mag) {
+  constexpr int man_bits = F == Format::E4M3 ? 3 : 2, bias = F == Format::E4M3 ? 7 : 15;
+  const uint32_t exp = mag >> man_bits, man = mag & ((1u << man_bits) - 1);
+  if (exp != 0) return static_cast<uint16_t>((exp - bias + 127) << 7 | man << (7 - man_bits));
+  if (man == 0) return 0;
+  int top = 0;  // subnormal: man * 2^(1 - bias - man_bits), normalized at man's top bit
+  while ((man >> (top + 1)) != 0) ++top;
+  return static_cast<uint16_t>(static_cast<uint32_t>(top + 1 - bias - man_bits + 127) << 7 |
+                               (man - (1u << top)) << (7 - top));
+}
+
+template <Format F>
+struct Bf16Bytes {
+  uint8_t lo[128], hi[128];
+};
+
+template <Format F>
+constexpr Bf16Bytes<F> bf16_bytes() {
+  Bf16Bytes<F> t{};
+  for (uint32_t c = 0; c < 128; ++c) {
+    t.lo[c] = static_cast<uint8_t>(bf16_bits<F>(c) & 0xFF);
+    t.hi[c] = static_cast<uint8_t>(bf16_bits<F>(c) >> 8);
+  }
+  return t;
+}
+
+#if RS_FP8_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define RS_FP8_BF16_LUT 1
+// 8-bit codes -> bf16 by table lookups in registers: 64 codes per vpermi2b pair (the low
+// bytes, the high bytes; bit 7 is the sign, which the table ignores and one vpternlog puts
+// back), then byte unpacks. Built once per kernel call (four zmm of tables).
+template <Format F>
+struct Bf16Lut {
+  __m512i lo0, lo1, hi0, hi1, sign;
+
+  Bf16Lut() {
+    static constexpr Bf16Bytes<F> t = bf16_bytes<F>();
+    lo0 = _mm512_loadu_si512(t.lo);
+    lo1 = _mm512_loadu_si512(t.lo + 64);
+    hi0 = _mm512_loadu_si512(t.hi);
+    hi1 = _mm512_loadu_si512(t.hi + 64);
+    sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  }
+  // Low and high bf16 bytes of each of the 64 codes in x, in x's byte order.
+  void bytes(__m512i x, __m512i& lo, __m512i& hi) const {
+    lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+    hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, sign, 0xF8);
+  }
+  // 64 codes -> 64 bf16: w0 holds the codes at bytes 16L + j, w1 those at 16L + 8 + j (L: the
+  // 128-bit lane, j < 8), in that order (vpunpck works within lanes): perm64.
+  void words(__m512i x, __m512i& w0, __m512i& w1) const {
+    __m512i lo, hi;
+    bytes(x, lo, hi);
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+  // Codes of two tokens (64 each, a and b) -> their bf16 values as (a, b) pairs, one 32-bit
+  // word per element: p[c] holds the elements 16L + 4c + j (L: the lane, j < 4), pair64.
+  void pairs(__m512i a, __m512i b, __m512i* p) const {
+    const __m512i x[2] = {_mm512_unpacklo_epi8(a, b), _mm512_unpackhi_epi8(a, b)};
+    for (int i = 0; i < 2; ++i) {
+      __m512i lo, hi;  // x's bytes alternate a, b: lo/hi alike; unpacking them gives the words
+      bytes(x[i], lo, hi);
+      p[2 * i] = _mm512_unpacklo_epi8(lo, hi);
+      p[2 * i + 1] = _mm512_unpackhi_epi8(lo, hi);
+    }
+  }
+};
+#else
+#define RS_FP8_BF16_LUT 0
+#endif
+#if RS_FP8_AVX512
+// Rows `from` .. `to` of a slot list requested into L1 (`width` bytes from `base + slot *
+// stride`) ahead of their conversion: slots are scattered (pages), so the hardware prefetcher
+// cannot guess them.
+inline void prefetch_rows(const uint8_t* base, int64_t stride, const int32_t* slots,
+                          int64_t from, int64_t to, int64_t width) {
+  for (int64_t j = from; j < to; ++j)
+    for (int64_t c = 0; c < width; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * stride + c), _MM_HINT_T0);
+}
+#endif
+// The element (within a block of 64) that Bf16Lut::words puts at word f of w0 | w1.
+inline int64_t perm64(int64_t f) { return 16 * ((f & 31) >> 3) + 8 * (f >> 5) + (f & 7); }
+// The element (within a block of 64) that Bf16Lut::pairs puts at lane f of p[0..3].
+inline int64_t pair64(int64_t f) { return 16 * ((f & 15) >> 2) + 4 * (f >> 4) + (f & 3); }
+
 // dst[i] = value of src[i] for i < n.
 template <Format F>
 inline void row_to_float(const uint8_t* src, int64_t n, float* dst) {
