@@ -19,8 +19,8 @@ merged as above;
 long prefill chunks likewise go to the native causal prefill kernel when given (varlen.py).
 The split and the plan (indices, mask) are built once per forward and reused by every layer.
 An 8-bit pool (--kv-cache-dtype fp8*; the layer's scales passed with each call) is stored
-quantized (kv_quant.store), read in place by the native decode kernel, and dequantized by
-every torch path as it gathers (kv_read.KVReader).
+quantized (kv_quant.store), read in place by the native decode and prefill kernels, and
+dequantized by every torch path as it gathers (kv_read.KVReader).
 Does not know: the model, the scheduler.
 
 On CPU every partial attention is one call of torch's fused flash kernel, which also returns

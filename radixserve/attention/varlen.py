@@ -11,7 +11,8 @@ short prefill chunks, for the padded cascade of torch_backend), and the attentio
   token), then merged with the causal part by log-sum-exp.
 On CPU with the native kernel (cpu_kernels.load_prefill_attention(): fp32/bf16, head_dim 32,
 64 or 128), each prefill chunk is instead one call of csrc/prefill_attention.cpp: the prefix read in
-place through the slot table, the chunk causal on itself, masked key blocks skipped; the
+place through the slot table (an 8-bit pool's rows converted as the kernel reads them), the
+chunk causal on itself, masked key blocks skipped; the
 torch path above stays as the fallback and the tests' reference.
 Does not know: the model, the scheduler, how the pool is laid out beyond the slot table.
 """
@@ -159,8 +160,7 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     each prefill chunk is one call instead: the prefix read in place, causal blocks skipped.
     """
     if kernel is not None and kernel_applies(q, k, v):
-        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel,
-                            gather if kv_scale is not None else None)
+        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel, kv_scale)
         return
     cu = token_offsets(meta.extend_lens_cpu)
 
@@ -196,18 +196,14 @@ def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         long: tuple[int, ...], out: torch.Tensor, scale: float,
-                        kernel: PrefillAttention, dequantize: Gather | None) -> None:
+                        kernel: PrefillAttention, kv_scale: KVScale | None) -> None:
     """attend_long through the native kernel: one call per prefill chunk, its whole chunk causal on
-    itself and unmasked on its prefix (slots read from the pool, no gather). An 8-bit pool's
-    prefix is first read through `dequantize` (the kernel converts the whole prefix to fp32
-    blocks anyway, so this costs one pass over the prefix, not over the pool)."""
+    itself and unmasked on its prefix (slots read from the pool, no gather; an 8-bit pool's rows
+    converted with kv_scale by the kernel as it reads them)."""
     cu = token_offsets(meta.extend_lens_cpu)
+    scales = () if kv_scale is None else tuple(kv_scale)
     for b in long:
         s, e = cu[b], cu[b + 1]
         slots = meta.slot_table[meta.rows_cpu[b], : meta.prefix_lens_cpu[b]]  # (P,) int32
-        kc, vc = k_cache, v_cache
-        if dequantize is not None:
-            kc, vc = dequantize(k_cache, slots, "k"), dequantize(v_cache, slots, "v")  # (P, Hkv, D)
-            slots = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
-        o, _ = kernel(q[s:e], k[s:e], v[s:e], kc, vc, slots, scale)
+        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale, *scales)
         out[s:e] = o

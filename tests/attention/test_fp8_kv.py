@@ -17,6 +17,7 @@ from radixserve.attention.cpu_kernels import (
     load_paged_decode,
     load_prefill_attention,
     paged_decode_reference,
+    prefill_attention_reference,
 )
 from radixserve.attention.kv_quant import (
     KVScale,
@@ -149,6 +150,46 @@ def test_decode_kernel_refuses_an_8bit_pool_without_scales() -> None:
     with pytest.raises(RuntimeError, match="k_scale and v_scale"):
         op(torch.zeros(1, 2, 64), cache, cache, torch.zeros(1, 4, dtype=torch.int32),
            torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), one, 0.1)
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 77, 300])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_reads_8bit_prefix_in_place(fmt: torch.dtype, qdtype: torch.dtype, d: int,
+                                                  prefix: int) -> None:
+    """The native prefill kernel over an 8-bit pool (scales given) equals the same kernel over
+    the pool dequantized to q's dtype, bit for bit, and the float64 reference."""
+    op = load_prefill_attention()
+    assert op is not None
+    gen = torch.Generator().manual_seed(prefix + d)
+    S, hkv, g, m = 400, 2, 3, 45
+    k_raw = torch.randn(S, hkv, d, generator=gen) * torch.tensor([1.0, 6.0])[None, :, None]
+    v_raw = torch.randn(S, hkv, d, generator=gen)
+    ks = scales_from_amax(k_raw.abs().amax(dim=(0, 2)), fmt)
+    vs = scales_from_amax(v_raw.abs().amax(dim=(0, 2)), fmt)
+    k8, v8 = quantize(k_raw, ks, fmt), quantize(v_raw, vs, fmt)
+    slots = torch.randperm(S, generator=gen)[:prefix].int()
+    q = torch.randn(m, hkv * g, d, generator=gen).to(qdtype)
+    k = torch.randn(m, hkv, d, generator=gen).to(qdtype)
+    v = torch.randn(m, hkv, d, generator=gen).to(qdtype)
+    out, lse = op(q, k, v, k8, v8, slots, 0.125, ks, vs)
+    k_full, v_full = dequantize(k8, ks, qdtype), dequantize(v8, vs, qdtype)
+    want, want_lse = op(q, k, v, k_full, v_full, slots, 0.125)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    ref, ref_lse = prefill_attention_reference(q, k, v, k_full, v_full, slots, 0.125)
+    tol = 3e-5 if qdtype == torch.float32 else 1e-2  # the K (scale 6) makes scores of ~10
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_kernel_refuses_an_8bit_pool_without_scales() -> None:
+    op = load_prefill_attention()
+    assert op is not None
+    cache = torch.zeros(4, 1, 64, dtype=torch.float8_e4m3fn)
+    x = torch.zeros(2, 1, 64)
+    with pytest.raises(RuntimeError, match="k_scale and v_scale"):
+        op(x, x, x, cache, cache, torch.zeros(1, dtype=torch.int32), 0.1)
 
 
 def on_grid(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:

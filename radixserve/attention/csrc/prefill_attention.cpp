@@ -9,7 +9,10 @@
 // contiguous; k_cache/v_cache (S, Hkv, D) with (Hkv, D) rows contiguous; prefix_slots (P,)
 // int32 (P may be 0). Key index space: [0, P) the prefix, [P, P + M) the chunk; query i sees
 // keys [0, P + i]. Query head h reads KV head h / (Hq / Hkv). Returns out (M, Hq, D) in q's
-// dtype and lse (M, Hq) float32 (scores scaled, natural log).
+// dtype and lse (M, Hq) float32 (scores scaled, natural log). An 8-bit pool (float8_e4m3fn /
+// float8_e5m2) comes with k_scale, v_scale (Hkv,) float32: its prefix rows are read in place
+// and converted as the kernel copies them into its blocks (prefill_common.h: KVRows), each
+// value its code times the scale rounded once to q's dtype, as kv_quant.dequantize gives.
 //
 // Scheme (flash attention, fp32 accumulation): per KV head, K is converted once into a
 // transposed fp32 matrix Kt (D, Lpad) and V into (Lpad, D); tasks are (KV head, block of BQ
@@ -20,6 +23,8 @@
 // accumulators in registers. bf16 inputs on AVX512-BF16 CPUs take prefill_attention_bf16.cpp's
 // dot-product path instead (shared pieces: prefill_common.h).
 #include <torch/library.h>
+
+#include <optional>
 
 #include "prefill_common.h"
 
@@ -143,8 +148,9 @@ void convert_kv(const KVRows<T>& src, const Shape& sh, float* kt, float* vf) {
     for (int64_t h = hb; h < he; ++h) {
       float* kth = kt + h * D * sh.lpad;
       float* vh = vf + h * sh.lpad * D;
+      T kb[D], vb[D];  // an 8-bit prefix row, converted
       for (int64_t t = 0; t < sh.lpad; ++t) {
-        const auto [kr, vr] = src.rows(t, h, D, sh);
+        const auto [kr, vr] = src.rows(t, h, D, sh, kb, vb);
         for (int64_t e = 0; e < D; ++e) {
           kth[e * sh.lpad + t] = kr ? to_f(kr[e]) : 0.f;
           vh[t * D + e] = vr ? to_f(vr[e]) : 0.f;
@@ -159,7 +165,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
          const at::Tensor& vc, const at::Tensor& slots, const Shape& sh, at::Tensor& out,
          at::Tensor& lse) {
   std::vector<float> kt(sh.hkv * D * sh.lpad), vf(sh.hkv * sh.lpad * D);
-  convert_kv<D, T>(KVRows<T>::of(k, v, kc, vc, slots), sh, kt.data(), vf.data());
+  convert_kv<D, T>(KVRows<T>::of(k, v, kc, vc, slots, sh), sh, kt.data(), vf.data());
   const T* qp = static_cast<const T*>(q.data_ptr());
   T* op = static_cast<T*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
@@ -186,14 +192,29 @@ void dispatch_dtype(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> prefill_attention(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, const at::Tensor& prefix_slots, double scale) {
+    const at::Tensor& v_cache, const at::Tensor& prefix_slots, double scale,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 3 &&
                   v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && k_cache.device().is_cpu(),
               "CPU tensors only");
-  for (const at::Tensor* t : {&k, &v, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, k, v and the caches must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                   k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (fp8 || k_cache.scalar_type() == q.scalar_type()),
+              "k_cache and v_cache share a dtype: q's, or an 8-bit float");
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "k_scale and v_scale: given exactly when the caches are 8-bit");
   const int64_t m = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1);
+  at::Tensor ks, vs;  // an 8-bit pool's scales, contiguous (kept alive through the call)
+  if (fp8) {
+    ks = k_scale->contiguous();
+    vs = v_scale->contiguous();
+    TORCH_CHECK(ks.scalar_type() == at::kFloat && vs.scalar_type() == at::kFloat &&
+                    ks.numel() == hkv && vs.numel() == hkv, "k_scale, v_scale: (Hkv,) float32");
+  }
   TORCH_CHECK(m >= 1 && k.size(0) == m && v.size(0) == m, "q, k, v: the same token count");
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0 && v.size(1) == hkv && k.size(2) == d && v.size(2) == d &&
                   k_cache.size(1) == hkv && v_cache.size(1) == hkv && k_cache.size(2) == d &&
@@ -208,7 +229,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(
   const int32_t* sp = slots.data_ptr<int32_t>();
   for (int64_t t = 0; t < p; ++t)
     TORCH_CHECK(0 <= sp[t] && sp[t] < k_cache.size(0) && sp[t] < v_cache.size(0), "bad slot");
-  const Shape sh{m, p, hq, hkv, hq / hkv, (p + m + BK - 1) / BK * BK, static_cast<float>(scale)};
+  const Shape sh{m, p, hq, hkv, hq / hkv, (p + m + BK - 1) / BK * BK, static_cast<float>(scale),
+                 fp8 ? ks.data_ptr<float>() : nullptr, fp8 ? vs.data_ptr<float>() : nullptr};
   at::Tensor out = at::empty({m, hq, d}, q.options());
   at::Tensor lse = at::empty({m, hq}, q.options().dtype(at::kFloat));
   switch (d) {
@@ -225,7 +247,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
-      "Tensor prefix_slots, float scale) -> (Tensor, Tensor)");
+      "Tensor prefix_slots, float scale, Tensor? k_scale=None, Tensor? v_scale=None) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

@@ -22,8 +22,9 @@ void convert_kv_pairs(const KVRows<uint16_t>& src, const Shape& sh, word* kp, ui
     for (int64_t h = hb; h < he; ++h) {
       word* kh = kp + h * (D / 2) * sh.lpad;
       uint16_t* vh = vp + h * sh.lpad * D;  // (Lpad/2, D, 2) halves
+      uint16_t kb[D], vb[D];  // an 8-bit prefix row, converted
       for (int64_t t = 0; t < sh.lpad; ++t) {
-        const auto [kr, vr] = src.rows(t, h, D, sh);
+        const auto [kr, vr] = src.rows(t, h, D, sh, kb, vb);
         for (int64_t dp = 0; dp < D / 2; ++dp)
           kh[dp * sh.lpad + t] = kr ? (word(kr[2 * dp]) | word(kr[2 * dp + 1]) << 16) : 0u;
         uint16_t* vdst = vh + (t / 2) * D * 2 + t % 2;
@@ -153,7 +154,7 @@ void run_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              const at::Tensor& vc, const at::Tensor& slots, const Shape& sh, at::Tensor& out,
              at::Tensor& lse) {
   std::vector<word> kp(sh.hkv * (D / 2) * sh.lpad), vp(sh.hkv * (sh.lpad / 2) * D);
-  convert_kv_pairs<D>(KVRows<uint16_t>::of(k, v, kc, vc, slots), sh, kp.data(),
+  convert_kv_pairs<D>(KVRows<uint16_t>::of(k, v, kc, vc, slots, sh), sh, kp.data(),
                       reinterpret_cast<uint16_t*>(vp.data()));
   const uint16_t* qp = static_cast<const uint16_t*>(q.data_ptr());
   uint16_t* op = static_cast<uint16_t*>(out.data_ptr());

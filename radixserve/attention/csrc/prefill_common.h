@@ -1,7 +1,7 @@
 // What the causal prefill kernels share (prefill_attention.cpp: the fp32-FMA path for float and
 // bf16 inputs, the op and its checks; prefill_attention_bf16.cpp: bf16 inputs as vdpbf16ps dot
 // products on AVX512-BF16 CPUs): block sizes, the problem's Shape, where a key / value row
-// lives (KVRows), the online softmax of one row and the task order.
+// lives (KVRows, converting an 8-bit pool's prefix rows as they are read), the online softmax of one row and the task order.
 //
 // torch's extension loader hashes the sources, not this header: bump EXT_BASE in
 // attention/cpu_kernels.py when it changes.
@@ -13,9 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "bf16_access.h"
+#include "fp8_access.h"
 #include "vec_math.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define RS_PREFILL_BF16_DOT 1
@@ -88,24 +91,57 @@ inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
 struct Shape {
   int64_t m, p, hq, hkv, g, lpad;
   float scale;
+  // An 8-bit pool's scales (Hkv,) for the prefix rows; null when the caches are in q's dtype.
+  const float *k_scale, *v_scale;
 };
 
+// One 8-bit row (d codes) -> T values: code value times the row's scale, rounded once to T (as
+// kv_quant.dequantize to q's dtype does). T: float, at::BFloat16, or bf16 bits (uint16_t).
+template <typename T>
+void fp8_row(const uint8_t* src, int64_t d, float scale, bool e4m3, T* dst) {
+  using radixserve_fp8::Format;
+  using radixserve_fp8::to_float;
+  for (int64_t e = 0; e < d; ++e) {
+    const float x = (e4m3 ? to_float<Format::E4M3>(src[e]) : to_float<Format::E5M2>(src[e])) * scale;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      radixserve_bf16::st(dst, e, x);
+    } else {
+      dst[e] = static_cast<T>(x);
+    }
+  }
+}
+
 // Where key / value row t (of the P + M keys, then padding) of KV head h lives: the prefix in
-// the pool through its slot, then the chunk's own k / v; nullptr for padding rows.
+// the pool through its slot, then the chunk's own k / v; nullptr for padding rows. An 8-bit
+// pool's prefix rows are converted into the caller's buffers kb, vb (D values each).
 template <typename T>
 struct KVRows {
   const T *k, *v, *kc, *vc;
   int64_t sk0, sk1, sv0, sv1, skc, svc;
   const int32_t* slots;
+  const uint8_t *kc8, *vc8;  // an 8-bit pool (then kc, vc are unused)
+  const float *k_scale, *v_scale;
+  bool e4m3;
 
   static KVRows of(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
-                   const at::Tensor& vc, const at::Tensor& slots) {
+                   const at::Tensor& vc, const at::Tensor& slots, const Shape& sh) {
     auto p = [](const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); };
-    return {p(k), p(v), p(kc), p(vc), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            kc.stride(0), vc.stride(0), slots.data_ptr<int32_t>()};
+    auto b = [&sh](const at::Tensor& t) {
+      return sh.k_scale ? static_cast<const uint8_t*>(t.data_ptr()) : nullptr;
+    };
+    return {p(k), p(v), sh.k_scale ? nullptr : p(kc), sh.k_scale ? nullptr : p(vc),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), vc.stride(0),
+            slots.data_ptr<int32_t>(), b(kc), b(vc), sh.k_scale, sh.v_scale,
+            kc.scalar_type() == at::kFloat8_e4m3fn};
   }
 
-  std::pair<const T*, const T*> rows(int64_t t, int64_t h, int64_t d, const Shape& sh) const {
+  std::pair<const T*, const T*> rows(int64_t t, int64_t h, int64_t d, const Shape& sh, T* kb,
+                                     T* vb) const {
+    if (t < sh.p && kc8 != nullptr) {
+      fp8_row(kc8 + slots[t] * skc + h * d, d, k_scale[h], e4m3, kb);
+      fp8_row(vc8 + slots[t] * svc + h * d, d, v_scale[h], e4m3, vb);
+      return {kb, vb};
+    }
     if (t < sh.p) return {kc + slots[t] * skc + h * d, vc + slots[t] * svc + h * d};
     if (t < sh.p + sh.m) return {k + (t - sh.p) * sk0 + h * sk1, v + (t - sh.p) * sv0 + h * sv1};
     return {nullptr, nullptr};
