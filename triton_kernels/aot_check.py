@@ -67,6 +67,14 @@ CASES = (Case(torch.bfloat16, 128, 8, 4), Case(torch.bfloat16, 64, 3, 3),
          Case(torch.bfloat16, 64, 3, 3, torch.float8_e5m2))
 
 
+def quant_constexprs(c: Case, quant: bool) -> dict[str, Any]:
+    """store_kv.quantize_kv's constexprs for this case's KV dtype (GPU: no pre-rounding)."""
+    e4m3 = c.kv_dtype == torch.float8_e4m3fn
+    return {"QUANT": quant, "FP8_MAX": float(torch.finfo(c.kv_dtype).max) if quant and c.kv_dtype
+            else 0.0, "PRE_ROUND": False, "MAN_BITS": 3 if e4m3 else 2,
+            "MIN_EXP": -6 if e4m3 else -14}
+
+
 def launches(c: Case) -> list[Launch]:
     t, g_pad, bd = PTR[c.dtype], triton.next_power_of_2(c.group), max(16, c.head_dim)
     kv, quant = PTR[c.kv_dtype or c.dtype], c.kv_dtype is not None
@@ -76,15 +84,13 @@ def launches(c: Case) -> list[Launch]:
     scales = {"k_scale": "*fp32", "v_scale": "*fp32"}
     attn = {"q": t, "k_cache": kv, "v_cache": kv, "slot_table": "*i32", "rows": "*i64",
             "qk_scale": "fp32", **scales}
-    e4m3 = c.kv_dtype == torch.float8_e4m3fn
     return [
         Launch(_store_kv_kernel,
                {"k_cache": kv, "v_cache": kv, "k": t, "v": t, "slots": "*i64", **scales,
                 "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
                {"NUM_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
-                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd, "QUANT": quant,
-                "FP8_MAX": float(torch.finfo(c.kv_dtype).max) if c.kv_dtype else 0.0,
-                "PRE_ROUND": False, "MAN_BITS": 3 if e4m3 else 2, "MIN_EXP": -6 if e4m3 else -14},
+                "BLOCK_H": triton.next_power_of_2(c.kv_heads), "BLOCK_D": bd,
+                **quant_constexprs(c, quant)},
                4, 3),
         Launch(_decode_split_kernel,
                {**attn, "seq_lens": "*i32", "mid_o": "*fp32", "mid_lse": "*fp32",
@@ -116,8 +122,9 @@ def fused_launches(c: Case) -> list[Launch]:
     norm = {"x": t, "residual": t, "weight": t, "out": t, "eps": "fp32", "stride_x": "i32",
             "stride_r": "i32", "stride_o": "i32"}
     block = triton.next_power_of_2(hidden)
-    rope = {"qkv": t, "cos": t, "sin": t, "positions": "*i64", "k_cache": t, "v_cache": t,
-            "slots": "*i64", "stride_t": "i32"}
+    kv = PTR[c.kv_dtype or c.dtype]
+    rope = {"qkv": t, "cos": t, "sin": t, "positions": "*i64", "k_cache": kv, "v_cache": kv,
+            "slots": "*i64", "k_scale": "*fp32", "v_scale": "*fp32", "stride_t": "i32"}
     return [
         *(Launch(_rmsnorm_kernel, norm, {"N": hidden, "BLOCK": block, "HAS_RESIDUAL": res},
                  max(1, min(16, block // 256)), 3) for res in (False, True)),
@@ -125,7 +132,8 @@ def fused_launches(c: Case) -> list[Launch]:
                  {"NUM_Q_HEADS": q_heads, "NUM_KV_HEADS": c.kv_heads, "HEAD_DIM": c.head_dim,
                   "BLOCK_HQ": triton.next_power_of_2(q_heads),
                   "BLOCK_HK": triton.next_power_of_2(c.kv_heads),
-                  "BLOCK_HALF": triton.next_power_of_2(c.head_dim // 2), "STORE": store},
+                  "BLOCK_HALF": triton.next_power_of_2(c.head_dim // 2), "STORE": store,
+                  **quant_constexprs(c, store and c.kv_dtype is not None)},
                  4, 3) for store in (False, True)),
         Launch(_silu_mul_kernel, {"gate_up": t, "out": t, "stride_g": "i32", "stride_o": "i32"},
                {"INTER": 4 * hidden, "BLOCK_N": SILU_BLOCK}, 4, 3),

@@ -125,9 +125,12 @@ def rope_qk_store_ref(
     num_kv_heads: int,
     caches: tuple[torch.Tensor, torch.Tensor] | None,  # (k_cache, v_cache)
     slots: torch.Tensor | None,  # (T,)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """rope_qk (caches None: q and k rotated in place) or rope_qk_store (q rotated in place,
-    rotated k and v written to the caches at `slots`, qkv's k left as it was)."""
+    rotated k and v written to the caches at `slots` as store_kv_ref writes them, qkv's k left
+    as it was)."""
     d = cos.shape[1]
     t = qkv.shape[0]
     heads = num_q_heads + num_kv_heads
@@ -140,7 +143,7 @@ def rope_qk_store_ref(
     assert slots is not None
     x[:, :num_q_heads] = rotated[:, :num_q_heads]
     v = qkv[:, heads * d : (heads + num_kv_heads) * d].view(t, num_kv_heads, d)
-    store_kv_ref(caches[0], caches[1], rotated[:, num_q_heads:], v, slots)
+    store_kv_ref(caches[0], caches[1], rotated[:, num_q_heads:], v, slots, k_scale, v_scale)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * inter) -> (T, inter)

@@ -3,8 +3,10 @@
 Owns: the RoPE kernel and its two wrappers: `rope_qk` rotates the q and k heads of qkv in
 place; `rope_qk_store` rotates q in place and writes the rotated k and the untouched v
 straight into the paged KV pool's slots (store_kv's job, so one launch replaces RoPE's
-several elementwise passes and the store). Does not know: pages, requests, how the cos/sin
-tables are built (radixserve/model/rope.py).
+several elementwise passes and the store; an 8-bit pool gets x / scale of the KV head on the
+8-bit grid, store_kv's rule, from the rotated k rounded to the model's dtype first, as the
+unfused RoPE then store gives). Does not know: pages, requests, how the cos/sin tables are
+built (radixserve/model/rope.py).
 
 Convention (Llama's rotate-half, as radixserve.model.rope.RotaryTable stores it): cos and sin
 are (max_positions, head_dim) tables indexed by each token's position, and `sin`'s first
@@ -28,9 +30,11 @@ from triton_kernels._common import (
     KV_DTYPES,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_launchable,
 )
 from triton_kernels._rounding import round_to
+from triton_kernels.store_kv import fp8_launch_args, quantize_kv
 
 
 @triton.jit
@@ -43,10 +47,11 @@ def _rotate(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    qkv, cos, sin, positions, k_cache, v_cache, slots, stride_t,
+    qkv, cos, sin, positions, k_cache, v_cache, slots, k_scale, v_scale, stride_t,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PRE_ROUND: tl.constexpr,
+    MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
 ):
     # One program per token: all its q heads, k heads (and v heads when storing) as tiles.
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -83,11 +88,22 @@ def _rope_kernel(
         # The pool is contiguous: slot-major, then head, then head_dim.
         slot = tl.load(slots + t).to(tl.int64)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + head_off
-        tl.store(k_cache + dst, o1, mask=mk)
-        tl.store(k_cache + dst + HALF, o2, mask=mk)
         pv = pk + NUM_KV_HEADS * HEAD_DIM
-        tl.store(v_cache + dst, tl.load(pv, mask=mk), mask=mk)
-        tl.store(v_cache + dst + HALF, tl.load(pv + HALF, mask=mk), mask=mk)
+        v1 = tl.load(pv, mask=mk, other=0.0)
+        v2 = tl.load(pv + HALF, mask=mk, other=0.0)
+        if QUANT:  # x / scale of its KV head, saturated, rounded to the 8-bit format
+            hk_ok = offs_hk < NUM_KV_HEADS
+            ks = tl.load(k_scale + offs_hk, mask=hk_ok, other=1.0)[:, None]  # (BLOCK_HK, 1)
+            vs = tl.load(v_scale + offs_hk, mask=hk_ok, other=1.0)[:, None]
+            o1 = quantize_kv(o1, ks, FP8_MAX, PRE_ROUND, MAN_BITS, MIN_EXP)
+            o2 = quantize_kv(o2, ks, FP8_MAX, PRE_ROUND, MAN_BITS, MIN_EXP)
+            v1 = quantize_kv(v1, vs, FP8_MAX, PRE_ROUND, MAN_BITS, MIN_EXP)
+            v2 = quantize_kv(v2, vs, FP8_MAX, PRE_ROUND, MAN_BITS, MIN_EXP)
+        cache_ty = k_cache.dtype.element_ty
+        tl.store(k_cache + dst, o1.to(cache_ty), mask=mk)
+        tl.store(k_cache + dst + HALF, o2.to(cache_ty), mask=mk)
+        tl.store(v_cache + dst, v1.to(cache_ty), mask=mk)
+        tl.store(v_cache + dst + HALF, v2.to(cache_ty), mask=mk)
     else:
         tl.store(pk, o1, mask=mk)
         tl.store(pk + HALF, o2, mask=mk)
@@ -115,20 +131,23 @@ def _check_args(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def _launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             num_q_heads: int, num_kv_heads: int, caches: tuple[torch.Tensor, torch.Tensor] | None,
-            slots: torch.Tensor | None) -> None:
+            slots: torch.Tensor | None,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     head_dim = cos.shape[1]
     if qkv.shape[0] == 0:
         return
     check_launchable(_rope_kernel, qkv.device)
     k_cache, v_cache = caches if caches is not None else (qkv, qkv)  # unused without STORE
+    k_scale, v_scale = scales if scales is not None else (qkv, qkv)  # unused without QUANT
     _rope_kernel[(qkv.shape[0],)](
         qkv, cos, sin, positions, k_cache, v_cache, slots if slots is not None else positions,
-        qkv.stride(0),
+        k_scale, v_scale, qkv.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        STORE=caches is not None, num_warps=4, enable_fp_fusion=False,
+        STORE=caches is not None, **fp8_launch_args(k_cache, scales is not None),
+        num_warps=4, enable_fp_fusion=False,
     )
 
 
@@ -154,8 +173,11 @@ def rope_qk_store(
     k_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim), written in place
     v_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim), written in place
     slots: torch.Tensor,  # (T,) int32/int64, distinct, each in [0, num_slots)
+    k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Rotate q in place; k_cache[slots] = rotated k; v_cache[slots] = v.
+    """Rotate q in place; k_cache[slots] = rotated k; v_cache[slots] = v (an 8-bit cache:
+    divided by k_scale / v_scale of the head, saturated, rounded to the format, as store_kv).
 
     qkv's k columns are left unrotated (attention reads k from the pool). Positions and slots
     are not range-checked on the device (that would need a sync): the caller owns them.
@@ -164,7 +186,9 @@ def rope_qk_store(
     _, num_kv_heads, head_dim = k_cache.shape
     assert _check_args(qkv, cos, sin, positions, num_q_heads + 2 * num_kv_heads) == head_dim, (
         f"cos/sin head_dim {cos.shape[1]} != the cache's {head_dim}")
-    assert k_cache.dtype == qkv.dtype, f"cache dtype {k_cache.dtype} != qkv's {qkv.dtype}"
+    check_kv_scales(k_cache, k_scale, v_scale, qkv.dtype)
     assert k_cache.device == qkv.device
     check_index("slots", slots, qkv.shape[0], qkv.device)
-    _launch(qkv, cos, sin, positions, num_q_heads, num_kv_heads, (k_cache, v_cache), slots)
+    scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
+    _launch(qkv, cos, sin, positions, num_q_heads, num_kv_heads, (k_cache, v_cache), slots,
+            scales)

@@ -1,8 +1,10 @@
 """Scatter this forward's new K/V rows into the paged KV pool.
 
-Owns: the store kernel and its wrapper (an 8-bit cache stores x / scale of its KV head,
-saturated to the format's range, rounded to nearest even as torch's cast does). Does not know: pages, requests or the radix tree;
-a slot is just a row index of the (num_slots, kv_heads, head_dim) caches.
+Owns: the store kernel and its wrapper, and the 8-bit store rule the fused RoPE + store kernel
+(rope.py) shares: an 8-bit cache stores x / scale of its KV head, saturated to the format's
+range, rounded to nearest even as torch's cast does (`quantize_kv`, `fp8_launch_args`).
+Does not know: pages, requests or the radix tree; a slot is just a row index of the
+(num_slots, kv_heads, head_dim) caches.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -37,6 +39,26 @@ def _round_to_grid(y, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def quantize_kv(x, scale, FP8_MAX: tl.constexpr, PRE_ROUND: tl.constexpr,
+                MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """x (heads, dim) / scale (heads, 1) in fp32, saturated, on the 8-bit grid (rounded to
+    nearest even: by hand under the interpreter, whose fp32 -> fp8 cast drops the rounding
+    carry; the caller's cast to the cache dtype rounds on a GPU)."""
+    y = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    if PRE_ROUND:
+        y = _round_to_grid(y, MAN_BITS, MIN_EXP)
+    return y
+
+
+def fp8_launch_args(cache: torch.Tensor, quant: bool) -> dict[str, object]:
+    """quantize_kv's constexprs for a cache of this dtype (placeholders when not quant)."""
+    e4m3 = cache.dtype == torch.float8_e4m3fn
+    return {"QUANT": quant, "FP8_MAX": float(torch.finfo(cache.dtype).max) if quant else 0.0,
+            "PRE_ROUND": quant and cache.device.type == "cpu", "MAN_BITS": 3 if e4m3 else 2,
+            "MIN_EXP": -6 if e4m3 else -14}
+
+
+@triton.jit
 def _store_kv_kernel(
     k_cache, v_cache, k, v, slots, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -56,11 +78,8 @@ def _store_kv_kernel(
     if QUANT:  # x / scale of its head, saturated, rounded to the 8-bit format
         ks = tl.load(k_scale + offs_h, mask=offs_h < NUM_HEADS, other=1.0)  # (H,)
         vs = tl.load(v_scale + offs_h, mask=offs_h < NUM_HEADS, other=1.0)
-        k_tile = tl.clamp(k_tile.to(tl.float32) / ks[:, None], -FP8_MAX, FP8_MAX)
-        v_tile = tl.clamp(v_tile.to(tl.float32) / vs[:, None], -FP8_MAX, FP8_MAX)
-        if PRE_ROUND:  # the interpreter's fp32 -> fp8 cast drops the rounding carry
-            k_tile = _round_to_grid(k_tile, MAN_BITS, MIN_EXP)
-            v_tile = _round_to_grid(v_tile, MAN_BITS, MIN_EXP)
+        k_tile = quantize_kv(k_tile, ks[:, None], FP8_MAX, PRE_ROUND, MAN_BITS, MIN_EXP)
+        v_tile = quantize_kv(v_tile, vs[:, None], FP8_MAX, PRE_ROUND, MAN_BITS, MIN_EXP)
         k_tile = k_tile.to(k_cache.dtype.element_ty)
         v_tile = v_tile.to(v_cache.dtype.element_ty)
     # The caches are contiguous: slot-major, then head, then head_dim.
@@ -100,8 +119,5 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANT=quant, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 0.0,
-        PRE_ROUND=quant and k_cache.device.type == "cpu",
-        MAN_BITS=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
-        MIN_EXP=-6 if k_cache.dtype == torch.float8_e4m3fn else -14,
+        **fp8_launch_args(k_cache, quant),
     )

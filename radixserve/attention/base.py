@@ -103,5 +103,6 @@ class StoredKVAttention(Protocol):
         v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale | None = None,  # an 8-bit pool's scales of this layer
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
         ...

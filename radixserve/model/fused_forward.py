@@ -11,7 +11,8 @@ a bias fused by addmm):
   1. fused_add_rmsnorm: residual += previous MLP output; x = input_norm(residual)
      (layer 0: rms_norm of the embeddings)
   2. qkv GEMM
-  3. rope_qk_store: q rotated in place, rotated k and v written to the pool's slots
+  3. rope_qk_store: q rotated in place, rotated k and v written to the pool's slots (an
+     8-bit pool: quantized there with the layer's scales, as store_kv would)
   4. attention: decode 2 (split-K + merge), prefill 1 (extend)
   5. o_proj GEMM
   6. fused_add_rmsnorm: residual += attention output; x = post_norm(residual)
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, StoredKVAttention
+from radixserve.attention.kv_quant import KVScale
 from triton_kernels.fused_add_rmsnorm import fused_add_rmsnorm, rms_norm
 from triton_kernels.rope import rope_qk_store
 from triton_kernels.silu_mul import silu_mul
@@ -67,6 +69,7 @@ def fused_forward(
     k_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
     v_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
     logit_rows: torch.Tensor,  # (N,)
+    kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
 ) -> torch.Tensor:  # (N, vocab) float32
     """LlamaModel.forward's contract, on the fused kernels (llama.py calls it)."""
     spec, layers = model.spec, model.layers
@@ -76,10 +79,13 @@ def fused_forward(
     x = rms_norm(residual, layers[0].input_norm, eps)  # (T, hidden)
     for i, layer in enumerate(layers):
         qkv = layer.qkv(x)  # (T, q_size + 2 * kv_size)
+        kv_scale = kv_scales[i] if kv_scales is not None else None
+        ks, vs = (None, None) if kv_scale is None else kv_scale
         rope_qk_store(qkv, cos, sin, positions, num_heads, k_cache[i], v_cache[i],
-                      meta.out_slots)
+                      meta.out_slots, ks, vs)
         q = qkv[:, : model.q_size].view(-1, num_heads, spec.head_dim)  # (T, heads, D) rotated
-        attn = backend.attend(q, k_cache[i], v_cache[i], meta, model.scale)  # (T, heads, D)
+        attn = backend.attend(q, k_cache[i], v_cache[i], meta, model.scale,
+                              kv_scale)  # (T, heads, D)
         x = layer.o_proj(attn.reshape(-1, model.q_size))  # (T, hidden)
         fused_add_rmsnorm(x, residual, layer.post_norm, eps)
         x = layer.mlp.down(silu_mul(layer.mlp.gate_up_proj(x)))  # (T, hidden)

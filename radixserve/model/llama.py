@@ -109,11 +109,9 @@ class LlamaModel:
         logit_rows: torch.Tensor,  # (N,) which token rows need logits
         kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
     ) -> torch.Tensor:  # (N, vocab) float32
-        # NOTE: the fused RoPE + store kernel writes the model's dtype, so an 8-bit pool takes
-        # this loop (store and attention quantize/dequantize with the layer's scales).
-        if self.fused is not None and kv_scales is None:
+        if self.fused is not None:  # an 8-bit pool too: the fused store quantizes
             return self.fused(self, self.backend, input_ids, positions, meta, k_cache, v_cache,
-                              logit_rows)
+                              logit_rows, kv_scales)
         spec, norm, rope = self.spec, self.ops.rms_norm, self.ops.rope_qk
         eps = spec.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # (T, hidden)

@@ -16,8 +16,10 @@ import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
+from radixserve.attention.kv_quant import KVScale
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.triton_backend import TritonAttentionBackend
+from radixserve.engine.kv_calibration import KVScales, calibrate
 from radixserve.model.arch import read_model_spec
 from radixserve.model.llama import LlamaModel
 from radixserve.model.rope import RotaryTable
@@ -69,22 +71,26 @@ def step_meta(phase: Phase, prefix_lens: list[int], extend_lens: list[int],
         max_seq_len=max(seq_lens), max_extend_len=max(extend_lens), rows_cpu=tuple(rows))
 
 
-def greedy(model: LlamaModel, prompts: list[list[int]], steps: int
+def greedy(model: LlamaModel, prompts: list[list[int]], steps: int,
+           kv: tuple[torch.dtype, KVScales] | None = None
            ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Prefill every prompt in one ragged batch, then `steps` decode steps, argmax each time.
-    Returns (new tokens per prompt, the logits of every forward)."""
+    """Prefill every prompt in one ragged batch, then `steps` decode steps, argmax each time
+    (kv: an 8-bit pool's format and scales per layer). Returns (new tokens per prompt, the
+    logits of every forward)."""
     spec, dev = model.spec, model.embed.device
     num = len(prompts)
     shape = (spec.num_layers, num * MAX_LEN, spec.num_kv_heads, spec.head_dim)
-    k_cache = torch.zeros(shape, dtype=model.embed.dtype, device=dev)
+    k_cache = torch.zeros(shape, dtype=model.embed.dtype if kv is None else kv[0], device=dev)
     v_cache = torch.zeros_like(k_cache)
+    scales = None if kv is None else [KVScale(k, v) for k, v in zip(kv[1].k, kv[1].v,
+                                                                   strict=True)]
     table = (torch.arange(num * MAX_LEN, dtype=torch.int32, device=dev)).view(num, MAX_LEN)
     lens = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], device=dev)
     positions = torch.tensor([i for n in lens for i in range(n)], device=dev)
     last = torch.tensor(lens, device=dev).cumsum(0) - 1  # each prompt's last row
     meta = step_meta(Phase.PREFILL, [0] * num, lens, table)
-    logits = [model.forward(ids, positions, meta, k_cache, v_cache, last)]
+    logits = [model.forward(ids, positions, meta, k_cache, v_cache, last, scales)]
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(steps):
         nxt = logits[-1].argmax(-1)  # (num,)
@@ -93,9 +99,33 @@ def greedy(model: LlamaModel, prompts: list[list[int]], steps: int
         meta = step_meta(Phase.DECODE, lens, [1] * num, table)
         positions = torch.tensor(lens, device=dev)
         rows = torch.arange(num, device=dev)
-        logits.append(model.forward(nxt, positions, meta, k_cache, v_cache, rows))
+        logits.append(model.forward(nxt, positions, meta, k_cache, v_cache, rows, scales))
         lens = [n + 1 for n in lens]
     return out, logits
+
+
+def assert_paths_agree(model_dir: Path, seed: int, fmt: torch.dtype | None) -> None:
+    """The default CPU path (torch backend, native ops), the fused loop and the Triton backend's
+    unfused loop: the same greedy tokens and logits (fmt: an 8-bit pool of that format, scales
+    calibrated on one prompt)."""
+    prompts = random_prompts([5, 11, 1], 250, seed=seed)
+    default = build(model_dir, TorchAttentionBackend(load_paged_decode(),
+                                                     load_prefill_attention()),
+                    torch.float32, CPU)
+    fused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU)
+    unfused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU, fused=False)
+    assert default.fused is None and unfused.fused is None and fused.fused is not None
+    kv = None
+    if fmt is not None:
+        spec = default.spec
+        kv = (fmt, calibrate(default, prompts[1], fmt, spec.num_kv_heads, spec.head_dim,
+                             torch.float32, CPU))
+    want_tokens, want = greedy(default, prompts, 3, kv)
+    for model in (fused, unfused):
+        tokens, got = greedy(model, prompts, 3, kv)
+        assert tokens == want_tokens
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"forward {step}")
 
 
 @pytest.mark.usefixtures("runnable_kernels")
@@ -106,20 +136,17 @@ def test_fused_forward_on_cpu_matches_the_default_cpu_path(fixture: str,
     """hidden 64, 2 layers, 4 query heads over 2 KV heads: head_dim 16 (the kernels' least)."""
     if DEVICE.type != "cpu":
         pytest.skip("the interpreter run; CUDA runs the gpu tests below")
-    model_dir = request.getfixturevalue(fixture)
-    prompts = random_prompts([5, 11, 1], 250, seed=3)
-    default = build(model_dir, TorchAttentionBackend(load_paged_decode(),
-                                                     load_prefill_attention()),
-                    torch.float32, CPU)
-    fused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU)
-    unfused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU, fused=False)
-    assert default.fused is None and unfused.fused is None and fused.fused is not None
-    want_tokens, want = greedy(default, prompts, 3)
-    for model in (fused, unfused):
-        tokens, got = greedy(model, prompts, 3)
-        assert tokens == want_tokens
-        for step, (g, w) in enumerate(zip(got, want, strict=True)):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"forward {step}")
+    assert_paths_agree(request.getfixturevalue(fixture), 3, None)
+
+
+@pytest.mark.usefixtures("runnable_kernels")
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_forward_over_an_8bit_pool_on_cpu(tiny_llama: Path, fmt: torch.dtype) -> None:
+    """An 8-bit pool: the fused loop's RoPE + quantizing store writes the bytes the unfused
+    store writes, so all three paths agree as above."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the interpreter run")
+    assert_paths_agree(tiny_llama, 4, fmt)
 
 
 def test_fused_needs_a_backend_that_attends_over_stored_kv(tiny_llama: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.triton_kernels.test_fused_kernels import rope_inputs
 from tests.triton_kernels.test_kernels import (
     DEVICE,
     Paged,
@@ -20,7 +21,13 @@ from tests.triton_kernels.test_kernels import (
     runnable_kernels,  # noqa: F401  (the fixture, used by name)
 )
 from triton_kernels import decode_attention, extend_attention, store_kv
-from triton_kernels.reference import decode_attention_ref, extend_attention_ref, store_kv_ref
+from triton_kernels.reference import (
+    decode_attention_ref,
+    extend_attention_ref,
+    rope_qk_store_ref,
+    store_kv_ref,
+)
+from triton_kernels.rope import rope_qk_store
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 F32, BF16 = torch.float32, torch.bfloat16
@@ -67,6 +74,40 @@ def test_store_kv_fp8_writes_the_reference_bytes(fmt: torch.dtype, dtype: torch.
     assert torch.equal(out[1].view(torch.uint8), out[3].view(torch.uint8))
     stored = out[0][paged.used_slots].float()
     assert torch.isfinite(stored).all() and stored.abs().max() == torch.finfo(fmt).max
+
+
+@pytest.mark.usefixtures("runnable_kernels")
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize(("tokens", "q_heads", "kv_heads", "head_dim", "dtype"),
+                         [(7, 9, 3, 64, BF16), (5, 4, 2, 128, F32), (3, 8, 2, 64, F32)])
+def test_rope_qk_store_fp8_writes_the_reference_bytes(tokens: int, q_heads: int, kv_heads: int,
+                                                      head_dim: int, dtype: torch.dtype,
+                                                      fmt: torch.dtype) -> None:
+    """The fused RoPE + store into an 8-bit pool: the bytes of RoPE then store_kv (the rotated k
+    rounded to the model's dtype, then x / scale on the 8-bit grid), q rotated as without it."""
+    qkv, table, positions = rope_inputs(tokens, q_heads, kv_heads, head_dim, dtype)
+    qkv.mul_(8)
+    num_slots = 2 * tokens + 3
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(1))[:tokens]
+    slots = slots.to(DEVICE)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, -1)
+    v = qkv[:, (q_heads + kv_heads) * head_dim :].view(tokens, kv_heads, -1)
+    # Head 0's scales are too small for its values: they saturate (clamped, not inf or NaN).
+    fit = torch.linspace(0.3, 2.0, kv_heads, device=DEVICE) / torch.finfo(fmt).max
+    k_scale = (k.float().abs().amax(dim=(0, 2)) * fit).contiguous()
+    v_scale = (v.float().abs().amax(dim=(0, 2)) * fit.flip(0)).contiguous()
+    shape = (num_slots, kv_heads, head_dim)
+    out = [torch.full(shape, float("nan"), device=DEVICE).to(fmt) for _ in range(4)]
+    ref = qkv.clone()
+    rope_qk_store(qkv, table.cos, table.sin, positions, q_heads, out[0], out[1], slots,
+                  k_scale, v_scale)
+    rope_qk_store_ref(ref, table.cos, table.sin, positions, q_heads, kv_heads,
+                      (out[2], out[3]), slots, k_scale, v_scale)
+    assert torch.equal(qkv, ref), "q rotated in place, k and v columns left as they were"
+    for got, want in ((out[0], out[2]), (out[1], out[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        stored = got[slots].float()
+        assert torch.isfinite(stored).all() and stored.abs().max() == torch.finfo(fmt).max
 
 
 @pytest.mark.usefixtures("runnable_kernels")
