@@ -9,7 +9,11 @@ interleaved across requests, as a decode step hands them out), SmolLM2-135M's he
   then one fused flash call with a mask);
 - native: TorchAttentionBackend(load_paged_decode()) (keys read in place through the slot
   table by csrc/paged_decode.cpp).
-Prints the median ms per step of each and their ratio, and the largest difference.
+Prints the median ms per step of each and their ratio, the median of the rounds' own ratios
+(each round runs the paths back to back), and the largest difference. `--clock cpu` times
+process CPU time instead of wall time (on a machine shared with other jobs, wall time moves
+with their load and CPU time much less; use it with --num-threads 1, where no thread waits
+for another).
 `--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2` compares instead the native kernel over a pool in the
 model's dtype (auto) with the same kernel over the 8-bit pool holding the same K/V (quantized
 with per-head scales), side by side; `--layers` shrinks the pools (each layer's step is alike).
@@ -20,6 +24,8 @@ new tokens per request, causal among themselves, one kernel row per token on the
     python -m bench.decode_attention --new-tokens 4 --dtype bfloat16 --num-threads 2
     python -m bench.decode_attention --kv-cache-dtype fp8 --prompt-len 4072 --dtype bfloat16 \
         --num-threads 2 --layers 8
+    python -m bench.decode_attention --kv-cache-dtype fp8 --prompt-len 4072 --dtype bfloat16 \
+        --num-threads 1 --layers 4 --clock cpu
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -78,13 +85,13 @@ class Pool:
 
 
 def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], pool: Pool,
-         meta: AttentionMetadata) -> tuple[float, torch.Tensor]:
-    t = time.perf_counter()
+         meta: AttentionMetadata, clock: Callable[[], float]) -> tuple[float, torch.Tensor]:
+    t = clock()
     out = torch.empty(0)
     for i in range(pool.k.shape[0]):
         q, kn, vn = qkv[i].split([HQ, HKV, HKV], dim=1)
         out = backend.forward(q, kn, vn, pool.k[i], pool.v[i], meta, D**-0.5, pool.scales[i])
-    return time.perf_counter() - t, out
+    return clock() - t, out
 
 
 def main() -> None:
@@ -98,6 +105,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall time, or this process's CPU time")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES],
                     help="not auto: native kernel over the model-dtype pool vs the 8-bit pool")
     args = ap.parse_args()
@@ -119,21 +128,25 @@ def main() -> None:
         paths = {f"native, {args.dtype} pool": (native, Pool(k, v, None)),
                  f"native, {args.kv_cache_dtype} pool": (
                      native, Pool(k, v, KV_DTYPES[args.kv_cache_dtype]))}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in paths}
     outs: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for _ in range(args.runs + 1):  # the first round warms up
             for name, (backend, pool) in paths.items():
-                secs, outs[name] = step(backend, qkv, pool, meta)
+                secs, outs[name] = step(backend, qkv, pool, meta, clock)
                 times[name].append(secs)
     med = [statistics.median(ts[1:]) * 1e3 for ts in times.values()]
     first, second = outs.values()
     diff = (first.float() - second.float()).abs().max().item()
     print(f"decode attention, {args.layers} layers, batch {args.batch} x {args.new_tokens} new, "
           f"context {meta.max_seq_len} tokens, {args.dtype}, {args.num_threads} thread(s), "
-          f"median of {args.runs}:")
+          f"{args.clock} time, median of {args.runs}:")
+    base = list(times.values())[0][1:]
     for name, ms in zip(times, med, strict=True):
-        print(f"{name:24s} {ms:8.1f} ms/step   ({med[0] / ms:.2f}x; time ratio {ms / med[0]:.2f})")
+        rounds = statistics.median(t / b for t, b in zip(times[name][1:], base, strict=True))
+        print(f"{name:24s} {ms:8.1f} ms/step   ({med[0] / ms:.2f}x; time ratio {ms / med[0]:.2f},"
+              f" per round {rounds:.2f})")
     print(f"max |difference| of the last layer's output: {diff:.2e}")
 
 
