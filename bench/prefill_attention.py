@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
-from bench.decode_attention import HKV, HQ, LAYERS, D  # SmolLM2-135M shapes
+from bench.decode_attention import HKV, HQ, D, Pool  # SmolLM2-135M shapes
 from bench.decode_attention import step as forward  # LAYERS x backend.forward, timed
 from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import load_prefill_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.types import Phase
+
+LAYERS = 30  # SmolLM2-135M's
 
 
 def extend_meta(tokens: int, prefix: int) -> tuple[AttentionMetadata, int]:
@@ -59,18 +62,18 @@ def main() -> None:
     assert kernel is not None, "the native kernel did not build (see the warning above)"
     meta, slots = extend_meta(args.tokens, args.prefix)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
-    v = torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype)
+    pool = Pool(torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype),
+                torch.randn(LAYERS, slots, HKV, D, generator=g).to(dtype), None)
     qkv = [torch.randn(args.tokens, HQ + 2 * HKV, D, generator=g).to(dtype)
            for _ in range(LAYERS)]
     paths = {"torch": TorchAttentionBackend(), "native": TorchAttentionBackend(prefill=kernel)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     outs: dict[str, torch.Tensor] = {}
     for name, backend in paths.items():  # warm-up
-        outs[name] = forward(backend, qkv, k, v, meta)[1]
+        outs[name] = forward(backend, qkv, pool, meta, time.perf_counter)[1]
     for _ in range(args.runs):
         for name, backend in paths.items():
-            times[name].append(forward(backend, qkv, k, v, meta)[0])
+            times[name].append(forward(backend, qkv, pool, meta, time.perf_counter)[0])
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     diff = (outs["torch"].float() - outs["native"].float()).abs().max().item()
     print(f"{args.tokens} tokens after {args.prefix} cached, {args.dtype}, {LAYERS} layers, "
