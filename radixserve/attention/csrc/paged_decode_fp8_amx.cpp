@@ -84,11 +84,12 @@ struct Areas {
   uint16_t* pb;  // (hq, lenp): probabilities in bf16, zero past len
   uint16_t* qt;  // (hkv, D / 32, 16, group, 2): q^T in pairs, Bf16Lut::words' dim order
   float* acc;    // (hq, D): P.V in Bf16Lut::pairs' dim order
-  uint16_t* buf; // BK rows of K in bf16, or BV / 2 rows of V pairs (64 dims each)
+  uint16_t* buf; // BK rows of K in bf16, or BV / 2 rows of V pairs (64 dims: 256 bytes)
 
+  // sizes in bytes, each area rounded up to whole cache lines
   Areas(std::vector<float>& work, const Geometry& g, int64_t lenk, int64_t lenp) {
-    const int64_t sizes[] = {lenk * score_stride(g) * 4, g.hq * lenp * 2, g.hq * g.d * 2, g.hq * g.d * 4,
-                             std::max<int64_t>(BK * g.hkv * g.d * 2, BV / 2 * 256)};
+    const int64_t sizes[] = {lenk * score_stride(g) * 4, g.hq * lenp * 2, g.hq * g.d * 2,
+                             g.hq * g.d * 4, std::max<int64_t>(BK * g.hkv * g.d * 2, BV / 2 * 256)};
     int64_t total = 64;
     for (int64_t s : sizes) total += (s + 63) / 64 * 64;
     work.resize(total / 4);

@@ -74,7 +74,8 @@ void scores_block(const Bf16Lut<F>& lut, const uint8_t* k, const Geometry& g,
     }
   }
   for (int64_t j = n; j < BLK; ++j)  // a short last block: zero rows, whole-block loops below
-    for (int64_t c = 0; c < rz; ++c) _mm512_storeu_si512(a.blk + j * rz + c, _mm512_setzero_si512());
+    for (int64_t c = 0; c < rz; ++c)
+      _mm512_storeu_si512(a.blk + j * rz + c, _mm512_setzero_si512());
   const int64_t group = g.hq / g.hkv;
   for (int64_t h = 0; h < g.hq; ++h) {
     __m512i qv[NW];

@@ -1,7 +1,8 @@
 // What the causal prefill kernels share (prefill_attention.cpp: the fp32-FMA path for float and
 // bf16 inputs, the op and its checks; prefill_attention_bf16.cpp: bf16 inputs as vdpbf16ps dot
 // products on AVX512-BF16 CPUs): block sizes, the problem's Shape, where a key / value row
-// lives (KVRows, converting an 8-bit pool's prefix rows as they are read), the online softmax of one row and the task order.
+// lives (KVRows, converting an 8-bit pool's prefix rows as they are read), the online softmax
+// of one row and the task order.
 //
 // torch's extension loader hashes the sources, not this header: bump EXT_BASE in
 // attention/cpu_kernels.py when it changes.
@@ -102,7 +103,8 @@ void fp8_row(const uint8_t* src, int64_t d, float scale, bool e4m3, T* dst) {
   using radixserve_fp8::Format;
   using radixserve_fp8::to_float;
   for (int64_t e = 0; e < d; ++e) {
-    const float x = (e4m3 ? to_float<Format::E4M3>(src[e]) : to_float<Format::E5M2>(src[e])) * scale;
+    const float x =
+        (e4m3 ? to_float<Format::E4M3>(src[e]) : to_float<Format::E5M2>(src[e])) * scale;
     if constexpr (std::is_same_v<T, uint16_t>) {
       radixserve_bf16::st(dst, e, x);
     } else {
