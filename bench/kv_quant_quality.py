@@ -4,6 +4,7 @@ log-likelihood, fp8_e4m3 and fp8_e5m2 side by side with auto.
     python -m bench.kv_quant_quality                  # smollm2-135m, dtype auto
     python -m bench.kv_quant_quality --prompts 16 --max-tokens 32
     python -m bench.kv_quant_quality --reference-dtype none     # skip the float32 row
+    python -m bench.kv_quant_quality --prompts 1 --max-tokens 1 --current-token
 
 Greedy: --prompts chat prompts x --max-tokens greedy tokens in one batch per engine (the
 prompts' K/V and every decoded token's read back from the pool, so quantized); per prompt, the
@@ -22,6 +23,10 @@ bf16's own rounding costs on them; and per format, the quantization error of the
 stores for the held-out text under the engine's scales (relative RMS over all layers, and the
 fraction of values saturated at the format's largest), with per-channel scales for
 comparison (float formats: precision is relative, so a scale per channel changes little).
+--current-token also scores the held-out text one token per forward with the e4m3 pool as
+served (each token's own K/V read back quantized, as in a decode step) and with a bf16 pool
+whose earlier tokens are rounded to e4m3 once attended (the current token exact): does reading
+the current token back quantized matter?
 """
 
 from __future__ import annotations
@@ -106,10 +111,13 @@ def _meta(start: int, n: int, table: torch.Tensor) -> AttentionMetadata:
 
 
 @torch.inference_mode()
-def held_out_logp(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, KVPool]:
+def held_out_logp(llm: LLM, ids: list[int], chunk: int = CHUNK,
+                  round_after: KVPool | None = None) -> tuple[torch.Tensor, KVPool]:
     """log p(. | ids[:i + 1]) for every position i < len(ids) - 1, (n - 1, vocab) float32, in
-    CHUNK-token forwards over a fresh pool of the engine's storage dtype and scales (the
-    engine's own pool is left alone); and that pool, holding the text's K/V."""
+    `chunk`-token forwards over a fresh pool of the engine's storage dtype and scales (the
+    engine's own pool is left alone); and that pool, holding the text's K/V. round_after (an
+    8-bit pool, llm's in the model's dtype): each forward's K/V are rounded to its format and
+    scales right after the forward that attended to them as computed."""
     r = llm.engine.runner
     n = len(ids)
     layers, _, hkv, d = r.pool.k.shape
@@ -121,13 +129,32 @@ def held_out_logp(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, KVPool]:
     pool.slot_table[0] = torch.arange(n, dtype=torch.int32)
     tokens = torch.tensor(ids, device=r.device)
     out = []
-    for start in range(0, n - 1, CHUNK):
-        m = min(CHUNK, n - 1 - start)
+    for start in range(0, n - 1, chunk):
+        m = min(chunk, n - 1 - start)
         logits = r.model.forward(tokens[start : start + m], torch.arange(start, start + m),
                                  _meta(start, m, pool.slot_table), pool.k, pool.v,
                                  torch.arange(m), pool.layer_scales())  # (m, vocab)
         out.append(torch.log_softmax(logits.float(), dim=-1))
+        if round_after is not None and round_after.k_scale is not None:
+            assert round_after.v_scale is not None
+            for cache, scales in ((pool.k, round_after.k_scale), (pool.v, round_after.v_scale)):
+                for layer in range(layers):
+                    rows = cache[layer, start : start + m]  # (m, Hkv, D)
+                    rows.copy_(dequantize(quantize(rows, scales[layer], round_after.dtype),
+                                          scales[layer], rows.dtype))
     return torch.cat(out), pool
+
+
+def current_token_probe(llms: dict[str, LLM], ids: list[int]) -> None:
+    auto, e4m3 = llms["auto"], llms["fp8_e4m3"]
+    ref = held_out_logp(auto, ids, 1)[0]
+    served = held_out_logp(e4m3, ids, 1)[0]
+    exact = held_out_logp(auto, ids, 1, round_after=e4m3.engine.runner.pool)[0]
+    print("one token per forward, against auto (bf16):")
+    for name, lp in (("e4m3, current token read back quantized", served),
+                     ("e4m3 earlier tokens, current token exact", exact)):
+        ll, top, kl = compare(ref, lp, ids)
+        print(f"  {name:<42} forced top-1 {top:.3f}  KL {kl:.5f}  mean loglik {ll:.4f}")
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor, ids: list[int]) -> tuple[float, float, float]:
@@ -167,6 +194,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--current-token", action="store_true",
+                    help="also the current-token probe (two more passes, one token each)")
     ap.add_argument("--reference-dtype", default="float32",
                     help="also compare the model in this dtype (KV auto) with auto; 'none': skip")
     args = ap.parse_args()
@@ -204,6 +233,8 @@ def main() -> None:
             errs = f" {rel:12.4f} {sat:9.2e} {rel_ch:11.4f}"
         print(f"{name:<22} {prefix:12.3f} {same:9.3f} {ll:12.4f} "
               f"{abs(ll - ll_auto) / abs(ll_auto):9.4f} {top:12.3f} {kl:8.5f}{errs}")
+    if args.current_token:
+        current_token_probe(llms, held_out)
 
 
 if __name__ == "__main__":
