@@ -35,6 +35,7 @@ import aiohttp
 
 from bench.common.client import BenchError, ClientConfig, fetch_model, run_all
 from bench.common.metrics import BenchSummary, RequestResult, summarize
+from bench.common.server_process import ServerProcess, SystemSpec
 from bench.common.tier_workloads import (
     AgentSpec,
     Session,
@@ -44,7 +45,6 @@ from bench.common.tier_workloads import (
     run_agent_sessions,
 )
 from bench.common.workloads import RagSpec, Workload
-from bench.compare import ServerProcess, SystemSpec
 
 SYSTEMS = ("off", "on", "infinite")
 Runner = Callable[[aiohttp.ClientSession, ClientConfig, str], Awaitable[list[RequestResult]]]
