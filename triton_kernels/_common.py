@@ -12,7 +12,6 @@ in fp32, and the GPU path accumulates in fp32 as well.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -102,6 +101,17 @@ def dot_flags(device: torch.device, dtype: torch.dtype) -> tuple[str, bool]:
     return precision, device.type == "cpu"
 
 
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 on the host: the same values, without its ~2 us call (it is a
+    ConstexprFunction, callable from kernels, and pays for that wrapper on every host call)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv on the host, without its ConstexprFunction wrapper (see next_pow2)."""
+    return -(-a // b)
+
+
 def block_d(head_dim: int) -> int:
     assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported by tl.dot"
-    return int(triton.next_power_of_2(head_dim))
+    return next_pow2(head_dim)

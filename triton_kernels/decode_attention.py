@@ -34,6 +34,7 @@ from triton_kernels._common import (
     check_out,
     check_slot_table,
     dot_flags,
+    next_pow2,
 )
 
 LOG2E = 1.4426950408889634
@@ -210,14 +211,14 @@ def decode_attention(
         k_scale if quant else mid_lse, v_scale if quant else mid_lse,
         scale * LOG2E, q.stride(0), q.stride(1), slot_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, num_warps=cfg.num_warps,
         num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
+        BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from triton_kernels._common import (
     block_d,
+    cdiv,
     check_heads_last_contiguous,
     check_index,
     check_kv_cache,
@@ -32,6 +33,7 @@ from triton_kernels._common import (
     check_out,
     check_slot_table,
     dot_flags,
+    next_pow2,
 )
 
 LOG2E = 1.4426950408889634
@@ -175,11 +177,11 @@ def extend_attention(
         return out
     check_launchable(_extend_kernel, q.device)
     group = num_q_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     cfg = extend_config(q.device, q.dtype)
     block_r = max(cfg.block_r, g_pad)
     precision, upcast = dot_flags(q.device, q.dtype)
-    grid = (triton.cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
+    grid = (cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
         k_scale if quant else out, v_scale if quant else out, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
