@@ -11,6 +11,8 @@ in fp32, and the GPU path accumulates in fp32 as well.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -77,6 +79,31 @@ def check_index(name: str, x: torch.Tensor, length: int, device: torch.device) -
     assert x.dtype in (torch.int32, torch.int64), f"{name} must be an integer tensor"
     assert x.device == device, f"{name} is on {x.device}, expected {device}"
     assert x.stride(0) == 1, f"{name} must be contiguous"
+
+
+class PagedShape(NamedTuple):
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    quant: bool  # an 8-bit pool, read with per-KV-head scales
+
+
+def check_paged_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                         slot_table: torch.Tensor, rows: torch.Tensor, batch: int
+                         ) -> PagedShape:
+    """What both paged attention wrappers check: the pool, q's heads against it (q is
+    (tokens, q_heads, head_dim)), an 8-bit pool's scales, the slot table, the table rows."""
+    check_kv_cache(k_cache, v_cache)
+    _, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
+    check_heads_last_contiguous("q", q, num_q_heads, head_dim)
+    assert q.device == k_cache.device
+    quant = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
+    check_slot_table(slot_table, q.device)
+    check_index("rows", rows, batch, q.device)
+    return PagedShape(num_q_heads, num_kv_heads, head_dim, quant)
 
 
 def check_slot_table(slot_table: torch.Tensor, device: torch.device) -> None:
