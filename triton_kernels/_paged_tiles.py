@@ -1,5 +1,4 @@
-"""The inner step both paged attention kernels share: one block of K/V read through the slot
-table, and one online-softmax update with it.
+"""The paged attention kernels' shared inner step: a K/V block read, one online-softmax update.
 
 Owns: `kv_scales` (an 8-bit pool's per-KV-head scales, folded into the scores and the output),
 `load_kv_block` and `online_softmax_step`, @triton.jit helpers (inlined into the kernels that
