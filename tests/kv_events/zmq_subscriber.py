@@ -1,5 +1,6 @@
-"""A ZMQ KV-event subscriber for the tests: follows PUB in seq order, replays gaps, and keeps
-the live block set a consumer (llm-d, Dynamo) would rebuild from our stream.
+"""A ZMQ KV-event subscriber for the tests, rebuilding the live block set from our stream.
+
+It follows PUB in seq order and replays gaps, as a consumer (llm-d, Dynamo) would.
 
 Owns: the issue's --kv-events-config on free loopback ports, the Subscriber, and syncing
 it to a publisher. Does not know: radix caches, what a test asserts.

@@ -1,5 +1,7 @@
-"""The tool-calling e2e tests' shared pieces: the SmolLM2 server with an openai SDK client,
-two tools (get_weather, add) with their parameter schemas, and an Agents SDK weather agent.
+"""The tool-calling e2e tests' shared pieces: the SmolLM2 server, its tools, a weather agent.
+
+The server comes with an openai SDK client; the tools are get_weather and add, with their
+parameter schemas; the agent is an Agents SDK one with a get_weather tool.
 
 Owns: how those tests start and stop their server (one per test module). Does not know: what
 any test asserts.

@@ -1,5 +1,7 @@
-"""The block-store tests' shared data: one fingerprint, deterministic keys and payloads, the
-stored size of one block, and a non-durable store bounded in blocks.
+"""The block-store tests' shared data: fingerprint, keys, payloads, block size, a store.
+
+One fingerprint, deterministic keys and payloads, the stored size of one block, and a
+non-durable store bounded in blocks.
 
 Owns: what the block-store tests (unit, processes, stateful model) write and how they open a
 store. Does not know: what any test asserts. Subprocess scripts import it too, so it stays
