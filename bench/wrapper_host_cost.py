@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         weight = {"rope_qk_store": 1, "fused_add_rmsnorm": 2, "silu_mul": 1}.get(name, 0)
         layer = [layer[0] + weight * a, layer[1] + weight * b]
         print(f"{name:18s} {a:8.2f} {b:9.2f}")
-    print(f"{'decoder layer':18s} {layer[0]:8.2f} {layer[1]:9.2f}  (rope + 2 norms + silu)")
+    print(f"{'decoder_layer':18s} {layer[0]:8.2f} {layer[1]:9.2f}  (rope + 2 norms + silu)")
     return 0
 
 
