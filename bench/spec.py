@@ -32,7 +32,7 @@ import aiohttp
 
 from bench.common import spec_workloads as w
 from bench.common.metrics import parse_prometheus
-from bench.compare import ServerProcess, SystemSpec
+from bench.common.server_process import ServerProcess, SystemSpec
 from bench.serving import BenchError, run_cli, write_json
 
 OFF, ON = "off", "spec"

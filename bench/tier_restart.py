@@ -36,8 +36,8 @@ import aiohttp
 
 from bench.common.client import BenchError, ClientConfig, fetch_model, send_request
 from bench.common.metrics import RequestResult
+from bench.common.server_process import ServerProcess, SystemSpec
 from bench.common.tier_workloads import AgentSpec, Session, build_agent_sessions, run_agent_sessions
-from bench.compare import ServerProcess, SystemSpec
 
 STOP_TIMEOUT_S = 300.0  # a clean exit writes the whole pool to the tier first
 

@@ -35,16 +35,15 @@ import aiohttp
 
 from bench.common.client import BenchError, ClientConfig, fetch_model, run_all
 from bench.common.metrics import BenchSummary, RequestResult, summarize
+from bench.common.server_process import ServerProcess, SystemSpec
 from bench.common.tier_workloads import (
     AgentSpec,
     Session,
     build_agent_sessions,
-    build_rag_corpus,
     rag_corpus_spec,
     run_agent_sessions,
 )
-from bench.common.workloads import RagSpec, Workload
-from bench.compare import ServerProcess, SystemSpec
+from bench.common.workloads import RagSpec, Workload, build_workload
 
 SYSTEMS = ("off", "on", "infinite")
 Runner = Callable[[aiohttp.ClientSession, ClientConfig, str], Awaitable[list[RequestResult]]]
@@ -92,7 +91,7 @@ def build_traces(args: argparse.Namespace, seed: int) -> list[Trace]:
                 _agent, sessions=sessions, spec=spec)))
         elif name == "rag":
             rspec = rag_spec(args)
-            w = build_rag_corpus(rspec, tok, seed)
+            w = build_workload(rspec, tok, seed)
             need = rspec.system_prompt_len + rspec.num_docs * (rspec.doc_len + 64)
             traces.append(Trace("rag", need, partial(_rag, workload=w)))
         else:

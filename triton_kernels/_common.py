@@ -11,8 +11,9 @@ in fp32, and the GPU path accumulates in fp32 as well.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -80,6 +81,31 @@ def check_index(name: str, x: torch.Tensor, length: int, device: torch.device) -
     assert x.stride(0) == 1, f"{name} must be contiguous"
 
 
+class PagedShape(NamedTuple):
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    quant: bool  # an 8-bit pool, read with per-KV-head scales
+
+
+def check_paged_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                         slot_table: torch.Tensor, rows: torch.Tensor, batch: int
+                         ) -> PagedShape:
+    """What both paged attention wrappers check: the pool, q's heads against it (q is
+    (tokens, q_heads, head_dim)), an 8-bit pool's scales, the slot table, the table rows."""
+    check_kv_cache(k_cache, v_cache)
+    _, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
+    check_heads_last_contiguous("q", q, num_q_heads, head_dim)
+    assert q.device == k_cache.device
+    quant = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
+    check_slot_table(slot_table, q.device)
+    check_index("rows", rows, batch, q.device)
+    return PagedShape(num_q_heads, num_kv_heads, head_dim, quant)
+
+
 def check_slot_table(slot_table: torch.Tensor, device: torch.device) -> None:
     assert slot_table.dim() == 2, f"slot_table must be (max_reqs, max_model_len), got {slot_table.shape}"
     assert slot_table.dtype in (torch.int32, torch.int64), "slot_table must be an integer tensor"
@@ -102,6 +128,17 @@ def dot_flags(device: torch.device, dtype: torch.dtype) -> tuple[str, bool]:
     return precision, device.type == "cpu"
 
 
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 on the host: the same values, without its ~2 us call (it is a
+    ConstexprFunction, callable from kernels, and pays for that wrapper on every host call)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv on the host, without its ConstexprFunction wrapper (see next_pow2)."""
+    return -(-a // b)
+
+
 def block_d(head_dim: int) -> int:
     assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported by tl.dot"
-    return int(triton.next_power_of_2(head_dim))
+    return next_pow2(head_dim)

@@ -26,15 +26,14 @@ import triton.language as tl
 
 from triton_kernels._common import (
     block_d,
-    check_heads_last_contiguous,
     check_index,
-    check_kv_cache,
-    check_kv_scales,
     check_launchable,
     check_out,
-    check_slot_table,
+    check_paged_operands,
     dot_flags,
+    next_pow2,
 )
+from triton_kernels._paged_tiles import kv_scales, load_kv_block, online_softmax_step
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -68,11 +67,8 @@ def _decode_split_kernel(
     if UPCAST:
         q_tile = q_tile.to(tl.float32)
 
-    v_factor = 1.0
-    if QUANT:  # an 8-bit cache: K's scale folded into the scores, V's into the output
-        qk_scale = qk_scale * tl.load(k_scale + kvh)
-        v_factor = tl.load(v_scale + kvh)
-
+    qk_scale, v_factor = kv_scales(qk_scale, k_scale, v_scale, kvh, QUANT)
+    dtype = q.dtype.element_ty
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -80,30 +76,13 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)  # (N,)
-        kv_offs = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        # Masked so that stale or never-written slots (garbage, NaN) are never read.
-        k_tile = tl.load(k_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
-        v_tile = tl.load(v_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
-        if QUANT:  # 8-bit values are exact in q's dtype (bf16, fp16 or fp32)
-            k_tile = k_tile.to(q.dtype.element_ty)
-            v_tile = v_tile.to(q.dtype.element_ty)
-        if UPCAST:
-            k_tile = k_tile.to(tl.float32)
-            v_tile = v_tile.to(tl.float32)
+        k_tile, v_tile = load_kv_block(k_cache, v_cache, table_row, offs_n, mask_n, kvh,
+                                       offs_d, mask_d, dtype, NUM_KV_HEADS, HEAD_DIM, UPCAST,
+                                       QUANT)  # (N, D) each
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # (G, N)
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # (G, N)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # p is rounded to the operands' dtype for the PV product, as on the GPU path.
-        p_lo = p.to(q.dtype.element_ty)
-        if UPCAST:
-            p_lo = p_lo.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_lo, v_tile, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v_tile, m_i, l_i, acc, dtype, UPCAST,
+                                            DOT_PRECISION)
 
     # An empty chunk (start >= seq_len) leaves m_i = -inf, l_i = 0: lse = -inf, o = 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -180,15 +159,9 @@ def decode_attention(
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over K_b = k_cache[slot_table[rows[b],
     :seq_lens[b]], h // group] (an 8-bit cache: times k_scale / v_scale of the KV head).
     Accumulates in fp32; the current token's K/V must be stored."""
-    check_kv_cache(k_cache, v_cache)
-    _, num_kv_heads, head_dim = k_cache.shape
-    batch, num_q_heads = q.shape[0], q.shape[1]
-    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
-    check_heads_last_contiguous("q", q, num_q_heads, head_dim)
-    assert q.device == k_cache.device
-    quant = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
-    check_slot_table(slot_table, q.device)
-    check_index("rows", rows, batch, q.device)
+    batch = q.shape[0]
+    num_q_heads, num_kv_heads, head_dim, quant = check_paged_operands(
+        q, k_cache, v_cache, k_scale, v_scale, slot_table, rows, batch)
     check_index("seq_lens", seq_lens, batch, q.device)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -210,14 +183,14 @@ def decode_attention(
         k_scale if quant else mid_lse, v_scale if quant else mid_lse,
         scale * LOG2E, q.stride(0), q.stride(1), slot_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, num_warps=cfg.num_warps,
         num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
+        BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out

@@ -24,15 +24,15 @@ import triton.language as tl
 
 from triton_kernels._common import (
     block_d,
-    check_heads_last_contiguous,
+    cdiv,
     check_index,
-    check_kv_cache,
-    check_kv_scales,
     check_launchable,
     check_out,
-    check_slot_table,
+    check_paged_operands,
     dot_flags,
+    next_pow2,
 )
+from triton_kernels._paged_tiles import kv_scales, load_kv_block, online_softmax_step
 
 LOG2E = 1.4426950408889634
 
@@ -70,10 +70,8 @@ def _extend_kernel(
         q_tile = q_tile.to(tl.float32)
     q_pos = prefix + tok  # (R,) absolute positions; rows past ext_len are masked at the store
 
-    v_factor = 1.0
-    if QUANT:  # an 8-bit cache: K's scale folded into the scores, V's into the output
-        qk_scale = qk_scale * tl.load(k_scale + kvh)
-        v_factor = tl.load(v_scale + kvh)
+    qk_scale, v_factor = kv_scales(qk_scale, k_scale, v_scale, kvh, QUANT)
+    dtype = q.dtype.element_ty
 
     # Blocks past this request's new tokens (a shorter request in the batch) loop zero times.
     last_tok = tl.minimum(m_start + BLOCK_M, ext_len)
@@ -85,30 +83,15 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)  # (N,)
-        kv_offs = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_tile = tl.load(k_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
-        v_tile = tl.load(v_cache + kv_offs, mask=kv_mask, other=0.0)  # (N, D)
-        if QUANT:  # 8-bit values are exact in q's dtype (bf16, fp16 or fp32)
-            k_tile = k_tile.to(q.dtype.element_ty)
-            v_tile = v_tile.to(q.dtype.element_ty)
-        if UPCAST:
-            k_tile = k_tile.to(tl.float32)
-            v_tile = v_tile.to(tl.float32)
+        k_tile, v_tile = load_kv_block(k_cache, v_cache, table_row, offs_n, mask_n, kvh,
+                                       offs_d, mask_d, dtype, NUM_KV_HEADS, HEAD_DIM, UPCAST,
+                                       QUANT)  # (N, D) each
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # (R, N)
         # Column 0 is visible to every row, so m_i is finite after the first block.
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # (R, N)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p_lo = p.to(q.dtype.element_ty)
-        if UPCAST:
-            p_lo = p_lo.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_lo, v_tile, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v_tile, m_i, l_i, acc, dtype, UPCAST,
+                                            DOT_PRECISION)
 
     o = acc * (v_factor / tl.where(l_i > 0, l_i, 1.0))[:, None]  # (R, D)
     out_ptrs = (out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -154,16 +137,9 @@ def extend_attention(
     The new tokens' K/V must already be stored at their slots. `max_extend_len` (a host int,
     no device sync) must be >= every extend_lens[b]; it only sizes the grid.
     """
-    check_kv_cache(k_cache, v_cache)
-    _, num_kv_heads, head_dim = k_cache.shape
-    num_tokens, num_q_heads = q.shape[0], q.shape[1]
-    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads, {num_kv_heads} kv heads"
-    check_heads_last_contiguous("q", q, num_q_heads, head_dim)
-    assert q.device == k_cache.device
-    quant = check_kv_scales(k_cache, k_scale, v_scale, q.dtype)
-    batch = rows.shape[0]
-    check_slot_table(slot_table, q.device)
-    check_index("rows", rows, batch, q.device)
+    num_tokens, batch = q.shape[0], rows.shape[0]
+    num_q_heads, num_kv_heads, head_dim, quant = check_paged_operands(
+        q, k_cache, v_cache, k_scale, v_scale, slot_table, rows, batch)
     check_index("prefix_lens", prefix_lens, batch, q.device)
     check_index("extend_lens", extend_lens, batch, q.device)
     check_index("cu_extend", cu_extend, batch + 1, q.device)
@@ -175,11 +151,11 @@ def extend_attention(
         return out
     check_launchable(_extend_kernel, q.device)
     group = num_q_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     cfg = extend_config(q.device, q.dtype)
     block_r = max(cfg.block_r, g_pad)
     precision, upcast = dot_flags(q.device, q.dtype)
-    grid = (triton.cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
+    grid = (cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
         k_scale if quant else out, v_scale if quant else out, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -14,6 +14,11 @@ residual is bit-identical in every dtype; the output is within rtol = atol = 1e-
 rtol = atol = 2**-7 (one bf16 rounding step) in bf16.
 FP contraction is off (`enable_fp_fusion=False`), so no product is fused into an FMA that
 torch would round separately.
+
+NOTE (host cost): the argument checks cost several microseconds a call, as much as the launch
+itself in a decode step; `check=False` skips them for a caller that has checked the same
+layout already (model/fused_forward.py checks layer 0's calls of each forward, and the other
+layers' operands share its shapes, dtypes and devices).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -25,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import KV_DTYPES, check_launchable
+from triton_kernels._common import KV_DTYPES, check_launchable, next_pow2
 from triton_kernels._rounding import round_to
 
 
@@ -60,8 +65,8 @@ def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
     assert t.stride(1) == 1, f"{name} rows must be contiguous, strides {t.stride()}"
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            out: torch.Tensor, eps: float) -> None:
+def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+           out: torch.Tensor) -> None:
     assert x.dim() == 2, f"x must be (rows, hidden), got {tuple(x.shape)}"
     assert x.dtype in KV_DTYPES, f"unsupported dtype {x.dtype}"
     assert x.stride(1) == 1, f"x rows must be contiguous, strides {x.stride()}"
@@ -74,10 +79,15 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _check_rows("out", out, x)
     if residual is not None:
         _check_rows("residual", residual, x)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            out: torch.Tensor, eps: float) -> None:
     if x.shape[0] == 0:
         return
     check_launchable(_rmsnorm_kernel, x.device)
-    block = triton.next_power_of_2(hidden)
+    hidden = x.shape[1]
+    block = next_pow2(hidden)
     res = residual if residual is not None else x  # not read without HAS_RESIDUAL
     _rmsnorm_kernel[(x.shape[0],)](
         x, res, weight, out, eps, x.stride(0), res.stride(0), out.stride(0),
@@ -91,9 +101,14 @@ def rms_norm(
     weight: torch.Tensor,  # (hidden,)
     eps: float,
     out: torch.Tensor | None = None,  # (T, hidden); may be x itself
+    *,
+    check: bool = True,
 ) -> torch.Tensor:  # (T, hidden)
-    """norm(x) * weight, in x's dtype (fp32 statistics). Writes `out` (a new tensor if None)."""
+    """norm(x) * weight, in x's dtype (fp32 statistics). Writes `out` (a new tensor if None).
+    `check=False` skips the argument checks (see the module's NOTE)."""
     out = torch.empty_like(x) if out is None else out
+    if check:
+        _check(x, None, weight, out)
     _launch(x, None, weight, out, eps)
     return out
 
@@ -103,9 +118,14 @@ def fused_add_rmsnorm(
     residual: torch.Tensor,  # (T, hidden), rows contiguous; overwritten with x + residual
     weight: torch.Tensor,  # (hidden,)
     eps: float,
+    *,
+    check: bool = True,
 ) -> torch.Tensor:  # x
     """residual += x; x = norm(residual) * weight. In place (each program reads its row
-    before writing it, and x and residual must not overlap); returns x."""
-    assert x.data_ptr() != residual.data_ptr(), "x and residual must be distinct tensors"
+    before writing it, and x and residual must not overlap); returns x. `check=False` skips
+    the argument checks (see the module's NOTE)."""
+    if check:
+        assert x.data_ptr() != residual.data_ptr(), "x and residual must be distinct tensors"
+        _check(x, residual, weight, x)
     _launch(x, residual, weight, x, eps)
     return x

@@ -15,6 +15,10 @@ x * cos + rotate_half(x) * sin product for product. Each product rounds to the i
 before the sum (as torch's elementwise ops do), with FP contraction off, so the results are
 `reference.rope_qk_store_ref`'s bit for bit in fp32 and in bf16 (the tests assert equality;
 a bf16 tolerance, if a GPU ever rounded differently, would be one rounding step: 2**-7).
+
+NOTE (host cost): the argument checks cost about as much host time as the launch itself;
+`check=False` skips them for a caller that has checked the same layout already
+(model/fused_forward.py checks layer 0's call of each forward).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -32,6 +36,7 @@ from triton_kernels._common import (
     check_kv_cache,
     check_kv_scales,
     check_launchable,
+    next_pow2,
 )
 from triton_kernels._rounding import round_to
 from triton_kernels.store_kv import fp8_launch_args, quantize_kv
@@ -129,6 +134,19 @@ def _check_args(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return int(head_dim)
 
 
+def _check_store_args(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor, num_q_heads: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None,
+                      v_scale: torch.Tensor | None) -> None:
+    check_kv_cache(k_cache, v_cache)
+    _, num_kv_heads, head_dim = k_cache.shape
+    assert _check_args(qkv, cos, sin, positions, num_q_heads + 2 * num_kv_heads) == head_dim, (
+        f"cos/sin head_dim {cos.shape[1]} != the cache's {head_dim}")
+    check_kv_scales(k_cache, k_scale, v_scale, qkv.dtype)
+    assert k_cache.device == qkv.device
+    check_index("slots", slots, qkv.shape[0], qkv.device)
+
+
 def _launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             num_q_heads: int, num_kv_heads: int, caches: tuple[torch.Tensor, torch.Tensor] | None,
             slots: torch.Tensor | None,
@@ -143,9 +161,9 @@ def _launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
         qkv, cos, sin, positions, k_cache, v_cache, slots if slots is not None else positions,
         k_scale, v_scale, qkv.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_HQ=next_pow2(num_q_heads),
+        BLOCK_HK=next_pow2(num_kv_heads),
+        BLOCK_HALF=next_pow2(head_dim // 2),
         STORE=caches is not None, **fp8_launch_args(k_cache, scales is not None),
         num_warps=4, enable_fp_fusion=False,
     )
@@ -158,9 +176,13 @@ def rope_qk(
     positions: torch.Tensor,  # (T,) int32/int64, each in [0, max_positions)
     num_q_heads: int,
     num_kv_heads: int,
+    *,
+    check: bool = True,
 ) -> None:
-    """Rotate the first q_heads + kv_heads head_dim-wide column groups of qkv in place."""
-    _check_args(qkv, cos, sin, positions, num_q_heads + num_kv_heads)
+    """Rotate the first q_heads + kv_heads head_dim-wide column groups of qkv in place.
+    `check=False` skips the argument checks (see the module's NOTE)."""
+    if check:
+        _check_args(qkv, cos, sin, positions, num_q_heads + num_kv_heads)
     _launch(qkv, cos, sin, positions, num_q_heads, num_kv_heads, None, None)
 
 
@@ -175,20 +197,20 @@ def rope_qk_store(
     slots: torch.Tensor,  # (T,) int32/int64, distinct, each in [0, num_slots)
     k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
     v_scale: torch.Tensor | None = None,
+    *,
+    check: bool = True,
 ) -> None:
     """Rotate q in place; k_cache[slots] = rotated k; v_cache[slots] = v (an 8-bit cache:
     divided by k_scale / v_scale of the head, saturated, rounded to the format, as store_kv).
 
     qkv's k columns are left unrotated (attention reads k from the pool). Positions and slots
     are not range-checked on the device (that would need a sync): the caller owns them.
+    `check=False` skips the argument checks (see the module's NOTE).
     """
-    check_kv_cache(k_cache, v_cache)
-    _, num_kv_heads, head_dim = k_cache.shape
-    assert _check_args(qkv, cos, sin, positions, num_q_heads + 2 * num_kv_heads) == head_dim, (
-        f"cos/sin head_dim {cos.shape[1]} != the cache's {head_dim}")
-    check_kv_scales(k_cache, k_scale, v_scale, qkv.dtype)
-    assert k_cache.device == qkv.device
-    check_index("slots", slots, qkv.shape[0], qkv.device)
+    num_kv_heads = k_cache.shape[1]
+    if check:
+        _check_store_args(qkv, cos, sin, positions, num_q_heads, k_cache, v_cache, slots,
+                          k_scale, v_scale)
     scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
     _launch(qkv, cos, sin, positions, num_q_heads, num_kv_heads, (k_cache, v_cache), slots,
             scales)

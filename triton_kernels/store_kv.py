@@ -22,6 +22,7 @@ from triton_kernels._common import (
     check_kv_cache,
     check_kv_scales,
     check_launchable,
+    next_pow2,
 )
 
 
@@ -118,6 +119,6 @@ def store_kv(
         k_cache, v_cache, k, v, slots, k_scale if quant else k, v_scale if quant else v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
         **fp8_launch_args(k_cache, quant),
     )

@@ -19,7 +19,7 @@ the pool (zipf popularity), so documents come back after being evicted.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,14 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from bench.common.client import ClientConfig, send_request
 from bench.common.metrics import RequestResult
-from bench.common.workloads import (
-    PiecePool,
-    RagSpec,
-    Workload,
-    WorkloadError,
-    _positive,
-    build_workload,
-)
+from bench.common.workloads import PiecePool, RagSpec, check_spec
 
 
 @dataclass(frozen=True)
@@ -51,10 +44,7 @@ class AgentSpec:
     stagger_s: float = 0.25  # session i starts at i * stagger_s
 
     def __post_init__(self) -> None:
-        _positive(**{k: v for k, v in asdict(self).items()
-                     if k not in ("think_time_s", "stagger_s")})
-        if self.think_time_s < 0 or self.stagger_s < 0:
-            raise WorkloadError("think_time_s and stagger_s must be >= 0")
+        check_spec(self, non_negative=("think_time_s", "stagger_s"))
 
     @property
     def final_context_len(self) -> int:
@@ -120,11 +110,6 @@ def rag_corpus_spec(num_requests: int, num_docs: int, doc_len: int, system_promp
     """One document per request out of `num_docs` (the corpus: num_docs * doc_len tokens)."""
     return RagSpec(num_requests, num_docs, doc_len, 1, system_prompt_len, question_len,
                    output_len, zipf_a)
-
-
-def build_rag_corpus(spec: RagSpec, tokenizer: PreTrainedTokenizerBase, seed: int = 0
-                     ) -> Workload:
-    return build_workload(spec, tokenizer, seed)
 
 
 def describe_agent(spec: AgentSpec) -> dict[str, Any]:

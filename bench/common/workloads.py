@@ -56,10 +56,13 @@ class WorkloadKind(str, Enum):
         return self.value
 
 
-def _positive(**values: int) -> None:
-    for name, v in values.items():
-        if v < 1:
-            raise WorkloadError(f"{name} must be >= 1, got {v}")
+def check_spec(spec: Any, non_negative: tuple[str, ...] = ()) -> None:
+    """A spec dataclass's fields: counts (every field not named) must be >= 1, and the
+    `non_negative` ones (rates, exponents, delays) >= 0; raises WorkloadError."""
+    for name, v in asdict(spec).items():
+        low = 0 if name in non_negative else 1
+        if v < low:
+            raise WorkloadError(f"{name} must be >= {low}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class SharedPrefixSpec:
     output_len: int = 32
 
     def __post_init__(self) -> None:
-        _positive(**asdict(self))
+        check_spec(self)
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class MultiTurnSpec:
     output_len: int = 32
 
     def __post_init__(self) -> None:
-        _positive(**asdict(self))
+        check_spec(self)
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,9 @@ class RagSpec:
     zipf_a: float = 1.0  # popularity of document i is proportional to 1 / (i + 1) ** zipf_a
 
     def __post_init__(self) -> None:
-        _positive(**{k: v for k, v in asdict(self).items() if k != "zipf_a"})
+        check_spec(self, non_negative=("zipf_a",))
         if self.docs_per_request > self.num_docs:
             raise WorkloadError("docs_per_request must be <= num_docs")
-        if self.zipf_a < 0:
-            raise WorkloadError("zipf_a must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class RandomSpec:
     output_len: int = 32
 
     def __post_init__(self) -> None:
-        _positive(**asdict(self))
+        check_spec(self)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ class JsonlSpec:
     default_output_len: int = 32
 
     def __post_init__(self) -> None:
-        _positive(default_output_len=self.default_output_len)
+        if self.default_output_len < 1:
+            raise WorkloadError(f"default_output_len must be >= 1, got {self.default_output_len}")
 
 
 WorkloadSpec = SharedPrefixSpec | MultiTurnSpec | RagSpec | RandomSpec | JsonlSpec

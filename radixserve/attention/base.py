@@ -77,6 +77,12 @@ class AttentionBackend(Protocol):
     model's dtype.
     """
 
+    @property
+    def reads_shared_prefixes(self) -> bool:
+        """Whether forward() reads a decode batch's shared tree prefixes (meta.shared,
+        own_start); the model runner builds them only for a backend that does."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # (T, num_q_heads, head_dim)

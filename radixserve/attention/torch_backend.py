@@ -194,6 +194,8 @@ class TorchAttentionBackend:
     and short chunks (drafts to verify); prefill: cpu_kernels.load_prefill_attention() for
     long prefill chunks (varlen.py); None for the torch path there (the reference)."""
 
+    reads_shared_prefixes = True  # a group's shared prefix is attended once (_merge_group)
+
     def __init__(self, paged_decode: PagedDecode | None = None,
                  prefill: PrefillAttention | None = None) -> None:
         # NOTE: the plan of the current forward, keyed by its metadata object; every layer of

@@ -20,6 +20,9 @@ from triton_kernels import decode_attention, extend_attention, store_kv
 class TritonAttentionBackend:
     """`num_kv_splits` fixes decode's split-K factor; None picks one from the batch shape."""
 
+    # Each request attends over its own slot table row; shared tree prefixes go unread.
+    reads_shared_prefixes = False
+
     def __init__(self, num_kv_splits: int | None = None) -> None:
         if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
             raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")

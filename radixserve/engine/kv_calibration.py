@@ -89,6 +89,10 @@ class _AmaxRecorder:
         self.k_amax: list[torch.Tensor] = []
         self.v_amax: list[torch.Tensor] = []
 
+    @property
+    def reads_shared_prefixes(self) -> bool:
+        return self.inner.reads_shared_prefixes
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scale: KVScale | None = None) -> torch.Tensor:

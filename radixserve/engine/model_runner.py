@@ -279,11 +279,11 @@ class ModelRunner:
 
     def _shared_prefixes(self, reqs: list[Req]) -> tuple[list[SharedPrefix], list[int]]:
         """The batch's groups of requests over the same tree pages, and where each request's
-        own part starts (0 outside any group)."""
+        own part starts (0 outside any group); none for a backend that would not read them."""
         dev = self.device
         shared: list[SharedPrefix] = []
         own_start = [0] * len(reqs)
-        if len(reqs) > 1:
+        if len(reqs) > 1 and self.model.backend.reads_shared_prefixes:
             for members, length in find_shared_prefixes(reqs):
                 slots = reqs[members[0]].slots[:length]
                 consecutive = slots[-1] - slots[0] == length - 1 and all(

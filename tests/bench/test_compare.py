@@ -9,15 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.common.compare_report import FIGURES, format_table, median_figures
 from bench.common.metrics import RequestResult, summarize
-from bench.compare import (
-    FIGURES,
-    ServerProcess,
-    SystemSpec,
-    format_table,
-    main,
-    median_figures,
-)
+from bench.common.server_process import ServerProcess, SystemSpec
+from bench.compare import main
 from bench.serving import BenchError
 
 

@@ -30,21 +30,14 @@ from radixserve.kv_events.publisher import (
     decode_batch,
     encode_batch,
 )
-from radixserve.kv_events.zmq_stream import ZmqKVEventPublisher
+from radixserve.kv_events.zmq_stream import WireBlockStored, ZmqKVEventPublisher
 from radixserve.server.app import create_app as create_server_app
 from radixserve.server.app_state import STATE_KEY
 from radixserve.testing.fake_engine import FakeEngine, InlineTransport
 from radixserve.testing.fake_replica import FakeReplicaConfig, fake_cluster, start_app
 from router.app import ROUTER_KEY
 from router.config import RouterConfig
-from tests.kv_events.test_zmq_stream import (
-    CONFIG,
-    DECODER,
-    Subscriber,
-    VBlockStored,
-    _local,
-    _synced,
-)
+from tests.kv_events.zmq_subscriber import CONFIG, DECODER, Subscriber, local_config, sync
 from tests.tiny_models import make_tokenizer
 from tests.waiting import wait_until
 
@@ -75,11 +68,11 @@ def test_the_chain_is_vllms() -> None:
 
 def test_both_event_streams_carry_vllms_hashes() -> None:
     pub = KVEventPublisher(hash_algo=HashAlgo.SHA256_CBOR)
-    zpub = ZmqKVEventPublisher(_local(CONFIG), lambda: "CPU")
+    zpub = ZmqKVEventPublisher(local_config(CONFIG), lambda: "CPU")
     sub = Subscriber(zpub.endpoint, str(zpub.replay_endpoint), "kv-events")
     try:
         pub.listeners.append(zpub.publish)
-        _synced(pub, sub)
+        sync(pub, sub)
         for case in vectors()["cases"]:
             stored = CacheEvent(CacheEventKind.STORED, tuple(case["token_ids"]), 0, "")
             batch = pub.publish([stored])
@@ -91,7 +84,7 @@ def test_both_event_streams_carry_vllms_hashes() -> None:
                 assert sub.poll(5000)
             seq, payload = sub.replay(pub.last_seq - 1)[0]
             (zmq_event,) = DECODER.decode(payload).events
-            assert isinstance(zmq_event, VBlockStored)
+            assert isinstance(zmq_event, WireBlockStored)
             assert zmq_event.block_hashes == case["block_hashes_int64"]
             assert zmq_event.parent_block_hash is None
             pub.publish([CacheEvent(CacheEventKind.CLEARED, (), 0, "")])

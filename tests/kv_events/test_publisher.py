@@ -29,6 +29,7 @@ from radixserve.kv_events.publisher import (
 )
 from radixserve.server.routes.kv_events import setup_kv_events
 from radixserve.testing.probes import num_live_blocks
+from tests.kv_events.random_inserts import RandomInserts
 
 
 class FakeCacheEvent(NamedTuple):
@@ -218,28 +219,17 @@ def test_publisher_follows_a_real_radix_cache(page_size: int) -> None:
     cache = RadixCache(page_size=page_size,
                                    on_event=lambda ev: pub.publish([ev]))
     rng = random.Random(page_size)
-    inserted: list[tuple[tuple[int, ...], str]] = []
-    next_slot = 0
+    inserts = RandomInserts(cache, page_size, rng)
     for step in range(300):
         op = rng.random()
         if op < 0.6:
-            base = list(rng.choice(inserted)[0]) if inserted and rng.random() < 0.7 else []
-            seq = tuple(base[: rng.randrange(len(base) + 1)]
-                        + [rng.randrange(3) for _ in range(rng.randrange(1, 12))])
-            salt = rng.choice(["", "k"])
-            n = len(seq) - len(seq) % page_size
-            res = cache.insert(seq[:n], list(range(next_slot, next_slot + n)), salt)
-            next_slot += n
+            n, res = inserts.insert()
             assert res.num_already_cached <= n
-            inserted.append((seq, salt))
         elif op < 0.95:
             cache.evict(rng.randrange(1, 10))
         elif step % 7 == 0:
             cache.reset()
-        expected: set[int] = set()
-        for seq, salt in inserted:
-            cached_len = cache.match_prefix(seq, salt).cached_len
-            expected.update(block_hashes(seq[:cached_len], 4, salt))
+        expected = inserts.expected_blocks(4)
         snap = pub.snapshot().events
         live = set(snap[1].block_hashes) if len(snap) > 1 else set()  # type: ignore[union-attr]
         assert live == expected and num_live_blocks(pub) == len(expected)

@@ -1,18 +1,17 @@
-"""vLLM's KV-event contract (--kv-events-config): a subscriber written from vLLM's published
-schema (vllm/distributed/kv_events.py: array-like tagged msgspec structs, multipart
-(topic, seq, payload), a ROUTER replay socket) decodes our stream, and replaying a workload
-rebuilds exactly the blocks the radix tree holds, after evictions, a flush and a replay."""
+"""vLLM's KV-event contract (--kv-events-config): the wire layout is checked, field by field,
+against vLLM's published schema (vllm/distributed/kv_events.py: array-like tagged msgspec
+structs, multipart (topic, seq, payload), a ROUTER replay socket), and a subscriber decoding
+our stream rebuilds exactly the blocks the radix tree holds, after evictions, a flush and a
+replay."""
 
 from __future__ import annotations
 
 import random
 import time
 from pathlib import Path
-from typing import Union
 
 import msgspec
 import pytest
-import zmq
 
 from radixserve.cli import build_config, build_parser, parse_kv_events_config
 from radixserve.config import ConfigError, KVEventsConfig
@@ -30,134 +29,10 @@ from radixserve.kv_events.zmq_stream import (
     binds,
     medium_for_device,
 )
+from tests.kv_events.random_inserts import RandomInserts
+from tests.kv_events.zmq_subscriber import CONFIG, DECODER, Subscriber, local_config, sync
 
 pytestmark = pytest.mark.timeout(60)
-
-
-# --- vLLM's schema, as a consumer (llm-d, Dynamo) declares it -------------------------------
-# Written here from vLLM's published schema, on purpose not imported from
-# radixserve.kv_events.zmq_stream (whose Wire* structs look the same): an independent decoder is
-# what catches a drift in field order, tags or array layout on our side.
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class VBlockStored(KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class VBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class VAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Union[VBlockStored, VBlockRemoved, VAllBlocksCleared]]
-    data_parallel_rank: int | None = None
-
-
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
-CONFIG = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ' \
-         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
-
-
-class Subscriber:
-    """Follows PUB, applies batches in seq order, and asks the replay socket for gaps."""
-
-    def __init__(self, endpoint: str, replay_endpoint: str, topic: str) -> None:
-        ctx = zmq.Context.instance()
-        self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.sub.connect(endpoint)
-        self.replay_endpoint = replay_endpoint
-        self.blocks: set[int] = set()
-        self.next_seq: int | None = None
-        self.topics: set[bytes] = set()
-        self.media: set[str | None] = set()
-        self.num_replays = 0
-
-    def close(self) -> None:
-        self.sub.close(linger=0)
-
-    def apply(self, batch: KVEventBatch) -> None:
-        assert batch.data_parallel_rank == 0 and batch.ts > 0
-        for ev in batch.events:
-            if isinstance(ev, VBlockStored):
-                assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
-                assert ev.lora_id is None
-                self.media.add(ev.medium)
-                self.blocks.update(ev.block_hashes)
-            elif isinstance(ev, VBlockRemoved):
-                self.media.add(ev.medium)
-                self.blocks.difference_update(ev.block_hashes)
-            else:
-                self.blocks.clear()
-
-    def replay(self, start: int) -> list[tuple[int, bytes]]:
-        """The (seq, payload) frames the replay socket sends for `start` (end marker off)."""
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.connect(self.replay_endpoint)
-        try:
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            out = []
-            while True:
-                assert dealer.poll(10_000), "no replay answer"
-                empty, seq, payload = dealer.recv_multipart()
-                assert empty == b""
-                n = int.from_bytes(seq, "big", signed=True)
-                if n == -1:
-                    assert payload == b""
-                    return out
-                out.append((n, payload))
-        finally:
-            dealer.close(linger=0)
-
-    def poll(self, timeout_ms: int) -> bool:
-        """Take one message if one comes; on a gap, replay what was missed first."""
-        if not self.sub.poll(timeout_ms):
-            return False
-        topic, seq_bytes, payload = self.sub.recv_multipart()
-        self.topics.add(topic)
-        seq = int.from_bytes(seq_bytes, "big")
-        if self.next_seq is not None and seq > self.next_seq:
-            self.num_replays += 1
-            for n, missed in self.replay(self.next_seq):
-                if n < seq:
-                    self.apply(DECODER.decode(missed))
-        if self.next_seq is None or seq >= self.next_seq:
-            self.apply(DECODER.decode(payload))
-            self.next_seq = seq + 1
-        return True
-
-
-def _local(cfg_json: str) -> KVEventsConfig:
-    """The issue's config with the endpoints moved to free ports on 127.0.0.1."""
-    cfg = parse_kv_events_config(cfg_json)
-    return KVEventsConfig(**{**cfg.__dict__, "endpoint": "tcp://127.0.0.1:*",
-                             "replay_endpoint": "tcp://127.0.0.1:*"})
-
-
-def _synced(pub: KVEventPublisher, sub: Subscriber) -> None:
-    """PUB drops what it sends before the subscription reaches it: send AllBlocksCleared
-    (a no-op on an empty cache) until one arrives."""
-    for _ in range(200):
-        pub.publish_blocks([AllBlocksCleared()])
-        if sub.poll(50):
-            while sub.poll(50):
-                pass
-            return
-    raise AssertionError("the subscriber never received anything")
 
 
 def test_config_parsing_and_cli() -> None:
@@ -185,11 +60,11 @@ def test_config_parsing_and_cli() -> None:
 
 def test_wire_layout_is_vllms_array_like_tagged_structs() -> None:
     pub = KVEventPublisher(block_size=2)
-    zpub = ZmqKVEventPublisher(_local(CONFIG), lambda: "CPU")
+    zpub = ZmqKVEventPublisher(local_config(CONFIG), lambda: "CPU")
     sub = Subscriber(zpub.endpoint, str(zpub.replay_endpoint), "kv-events")
     try:
         pub.listeners.append(zpub.publish)
-        _synced(pub, sub)
+        sync(pub, sub)
         hashes = block_hashes([5, 6, 7, 8], 2)
         # An explicit medium (a tier's) passes through; the removal names the medium the
         # block was stored in (the publisher tracks live blocks per medium).
@@ -202,6 +77,8 @@ def test_wire_layout_is_vllms_array_like_tagged_structs() -> None:
         assert raw[1] == [["BlockStored", hashes, None, [5, 6, 7, 8], 2, None, "GPU"],
                           ["BlockRemoved", [hashes[1]], "GPU"]]
         assert isinstance(raw[0], float) and raw[2] == 0 and len(raw) == 3
+        cleared = msgspec.msgpack.decode(sub.replay(0)[0][1])  # _synced's first batch
+        assert cleared[1] == [["AllBlocksCleared"]]
         assert sub.topics == {b"kv-events"} and seq == pub.last_seq - 1
         assert sub.blocks == {hashes[0]}
     finally:
@@ -214,39 +91,28 @@ def test_replay_rebuilds_the_radix_trees_blocks(page_size: int) -> None:
     from radixserve.cache.radix_cache import RadixCache
 
     pub = KVEventPublisher(block_size=4)
-    zpub = ZmqKVEventPublisher(_local(CONFIG), lambda: "CPU")
+    zpub = ZmqKVEventPublisher(local_config(CONFIG), lambda: "CPU")
     sub = Subscriber(zpub.endpoint, str(zpub.replay_endpoint), "kv-events")
     pub.listeners.append(zpub.publish)
     cache = RadixCache(page_size=page_size, on_event=lambda ev: pub.publish([ev]))
     rng = random.Random(page_size)
-    inserted: list[tuple[tuple[int, ...], str]] = []
-    next_slot = 0
+    inserts = RandomInserts(cache, page_size, rng)
     kinds: set[str] = set()
     try:
-        _synced(pub, sub)
+        sync(pub, sub)
         for step in range(400):
             op = rng.random()
             if step == 250:
                 cache.reset()  # what /flush_cache does; the rest rebuilds after it
                 kinds.add("flush")
             elif op < 0.6:
-                base = list(rng.choice(inserted)[0]) if inserted and rng.random() < 0.7 else []
-                seq = tuple(base[: rng.randrange(len(base) + 1)]
-                            + [rng.randrange(3) for _ in range(rng.randrange(1, 12))])
-                salt = rng.choice(["", "k"])
-                n = len(seq) - len(seq) % page_size
-                cache.insert(seq[:n], list(range(next_slot, next_slot + n)), salt)
-                next_slot += n
-                inserted.append((seq, salt))
+                inserts.insert()
                 kinds.add("insert")
             else:
                 kinds.add("evict" if cache.evict(rng.randrange(1, 10)) else "noop")
             if step % 50 == 0:
                 sub.poll(0)  # follow live now and then
-        expected: set[int] = set()
-        for seq, salt in inserted:
-            cached_len = cache.match_prefix(seq, salt).cached_len
-            expected.update(block_hashes(seq[:cached_len], 4, salt))
+        expected = inserts.expected_blocks(4)
         assert {"insert", "evict", "flush"} <= kinds and expected
         deadline = time.monotonic() + 30
         while sub.next_seq != zpub.num_sent or zpub.num_sent < pub.last_seq:
@@ -275,7 +141,7 @@ def _live(pub: KVEventPublisher) -> list[int]:
 
 
 def test_publisher_close_is_prompt_and_frees_the_port() -> None:
-    zpub = ZmqKVEventPublisher(_local(CONFIG), lambda: "CPU")
+    zpub = ZmqKVEventPublisher(local_config(CONFIG), lambda: "CPU")
     replay = str(zpub.replay_endpoint)  # the ROUTER socket always binds
     for i in range(5):
         zpub.publish(EventBatch(i + 1, (AllBlocksCleared(),)))

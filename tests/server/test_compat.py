@@ -15,7 +15,7 @@ from radixserve.cli import build_config, build_parser
 from radixserve.config import KVEventsConfig
 from radixserve.kv_events.publisher import decode_batch
 from radixserve.server.routes.kv_events import KV_EVENTS_PUBLISHER_KEY
-from tests.kv_events.test_zmq_stream import CONFIG, DECODER, Subscriber, _local
+from tests.kv_events.zmq_subscriber import CONFIG, DECODER, Subscriber, local_config
 from tests.server.test_app import call, serve
 from tests.waiting import wait_until
 
@@ -83,7 +83,7 @@ async def test_no_change_without_the_flags(model_dir: Path) -> None:
 
 
 async def test_kv_events_config_publishes_the_sse_hashes(model_dir: Path) -> None:
-    cfg = _local(CONFIG)
+    cfg = local_config(CONFIG)
     holder: dict[str, object] = {}
 
     def find_publisher(app: object) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.server.test_tools_e2e import MODEL, weather_agent
+from tests.server.tool_server import MODEL, weather_agent
 from tests.server_proc import ServerProc, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]

@@ -13,37 +13,17 @@ import openai
 import pytest
 
 from tests.repo import REPO_ROOT
-from tests.server_proc import running_server
+from tests.server.tool_server import MODEL, SCHEMAS, TOOLS, smollm2_sdk, weather_agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
-MODEL = "SmolLM2-135M-Instruct"
-WEATHER_PARAMS = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 24},
-    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city"], "additionalProperties": False}
-ADD_PARAMS = {"type": "object", "properties": {
-    "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-    "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
-    "required": ["a", "b"], "additionalProperties": False}
-TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS,
-                                      "description": "Get the current weather in a city"}},
-    {"type": "function", "function": {"name": "add", "parameters": ADD_PARAMS,
-                                      "description": "Add two integers"}},
-]
-SCHEMAS: dict[str, Any] = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
 QUESTIONS = ["What is the weather like in Paris?", "What is 12 plus 30?",
              "Tell me a joke about cats."]
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    log = tmp_path_factory.mktemp("tools_server") / "server.log"
-    args = ["--dtype", "auto", "--kv-cache-tokens", "16384", "--max-tokens-cap", "512"]
-    with running_server("smollm2-135m", log, args) as srv, \
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as sdk:
+    with smollm2_sdk(tmp_path_factory.mktemp("tools_server") / "server.log") as sdk:
         yield sdk
-    assert srv.proc.returncode == 0, srv.output()
 
 
 def chat(client: openai.OpenAI, messages: list[Any], **kwargs: Any) -> Any:
@@ -231,28 +211,6 @@ def test_readme_responses_example_runs_as_written(client: openai.OpenAI) -> None
     assert final.usage.input_tokens_details.cached_tokens > 0  # the history was cached
     assert scope["r"].status == "completed"
     jsonschema.validate(json.loads(scope["r"].output_text), scope["person"])
-
-
-def weather_agent(client: openai.OpenAI, seen: list[str], settings: Any, **agent_kwargs: Any
-                  ) -> tuple[openai.AsyncOpenAI, Any]:
-    """An Agents SDK agent with one `get_weather` tool (it appends each city to `seen`) on
-    the server's /v1/responses; the caller closes the returned async client."""
-    import agents  # openai-agents, a test dependency (pyproject.toml)
-
-    agents.set_tracing_disabled(True)  # no export to OpenAI's tracing service
-
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city."""
-        seen.append(city)
-        return json.dumps({"city": city, "temperature": 21, "sky": "sunny"})
-
-    sdk = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
-    agent = agents.Agent(
-        name="weather", instructions="Answer weather questions with the tool.",
-        tools=[agents.function_tool(get_weather)],
-        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=sdk),
-        model_settings=settings, **agent_kwargs)
-    return sdk, agent
 
 
 @pytest.mark.parametrize("streamed", [False, True])

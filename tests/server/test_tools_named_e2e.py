@@ -14,8 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.test_tools_e2e import MODEL, SCHEMAS, TOOLS, weather_agent
-from tests.server_proc import running_server
+from tests.server.tool_server import MODEL, SCHEMAS, TOOLS, smollm2_sdk, weather_agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 MAX_TOKENS = 160  # room for three calls: a repeat would show as a second call or a cut-off
@@ -26,12 +25,8 @@ TRIES = [("get_weather", f"What is the weather like in {c}?") for c in CITIES] +
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    log = tmp_path_factory.mktemp("tools_named") / "server.log"
-    args = ["--dtype", "auto", "--kv-cache-tokens", "16384", "--max-tokens-cap", "512"]
-    with running_server("smollm2-135m", log, args) as srv, \
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as sdk:
+    with smollm2_sdk(tmp_path_factory.mktemp("tools_named") / "server.log") as sdk:
         yield sdk
-    assert srv.proc.returncode == 0, srv.output()
 
 
 def named(name: str) -> dict[str, Any]:

@@ -188,3 +188,44 @@ def test_silu_mul_matches_reference(rows: int, inter: int, dtype: torch.dtype) -
 def test_silu_mul_rejects_an_odd_width() -> None:
     with pytest.raises(AssertionError, match="2 \\* inter"):
         silu_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+# --- host cost: the unchecked path and the host-side block sizes ----------------------------
+
+def test_host_block_sizes_are_tritons() -> None:
+    import triton
+
+    from triton_kernels._common import cdiv, next_pow2
+
+    for n in [*range(0, 4200), 65535, 65536, 65537, 1 << 40]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 300):
+        for b in (1, 2, 3, 7, 64, 1024):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+@pytest.mark.usefixtures("runnable_kernels")
+def test_unchecked_calls_compute_the_same() -> None:
+    """check=False (fused_forward's layers after the first) skips only the checks."""
+    gen = torch.Generator().manual_seed(5)
+    x, residual = wide_rows(3, 64, F32, gen), randn((3, 64), F32, gen)
+    weight = randn((64,), F32, gen)
+    x2, residual2 = x.clone(), residual.clone()
+    fused_add_rmsnorm(x, residual, weight, 1e-6)
+    fused_add_rmsnorm(x2, residual2, weight, 1e-6, check=False)
+    assert torch.equal(x, x2) and torch.equal(residual, residual2)
+    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6, check=False))
+    gate_up = randn((3, 2 * 96), F32, gen)
+    assert torch.equal(silu_mul(gate_up), silu_mul(gate_up, check=False))
+    qkv, table, positions = rope_inputs(4, 4, 2, 32, F32)
+    caches = [torch.zeros(8, 2, 32, device=DEVICE) for _ in range(4)]
+    slots = torch.tensor([5, 0, 7, 2], device=DEVICE)
+    qkv2 = qkv.clone()
+    rope_qk_store(qkv, table.cos, table.sin, positions, 4, caches[0], caches[1], slots)
+    rope_qk_store(qkv2, table.cos, table.sin, positions, 4, caches[2], caches[3], slots,
+                  check=False)
+    assert torch.equal(qkv, qkv2)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    rope_qk(qkv, table.cos, table.sin, positions, 4, 2)
+    rope_qk(qkv2, table.cos, table.sin, positions, 4, 2, check=False)
+    assert torch.equal(qkv, qkv2)

@@ -22,27 +22,9 @@ from radixserve.cache.tiers import (
     MissReason,
     StoreStatus,
     Tier,
-    block_format,
     block_key,
 )
-
-FP = Fingerprint("smollm2-135m", "float32", 30, 3, 64, 16)
-PAYLOAD = 1000
-
-
-def key(i: int, fp: Fingerprint = FP) -> str:
-    return block_key(0x9E3779B97F4A7C15 * (i + 1) % (1 << 64), fp)
-
-
-def payload(i: int, n: int = PAYLOAD) -> bytes:
-    return bytes((i * 7 + j) % 251 for j in range(n))
-
-
-BLOCK = block_format.stored_size(key(0), PAYLOAD)
-
-
-def store(root: Path, blocks: int = 8, tier: Tier = Tier.LOCAL, **kw: object) -> BlockStore:
-    return BlockStore(root, blocks * BLOCK, FP, tier, durable=False, **kw)  # type: ignore[arg-type]
+from tests.cache.tiers.block_stores import BLOCK, FP, PAYLOAD, key, payload, store
 
 
 def test_block_key_mixes_hash_and_every_fingerprint_field() -> None:

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 from radixserve.cache.tiers import BlockStore, MissReason, StoreStatus, Tier
-from tests.cache.tiers.test_block_store import BLOCK, FP, key, payload
+from tests.cache.tiers.block_stores import BLOCK, FP, key, payload
 from tests.repo import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -20,7 +20,7 @@ _PRELUDE = """
 import os, sys
 from pathlib import Path
 from radixserve.cache.tiers import BlockStore, Tier
-from tests.cache.tiers.test_block_store import FP, key, payload
+from tests.cache.tiers.block_stores import FP, key, payload
 root = Path(sys.argv[1])
 """
 

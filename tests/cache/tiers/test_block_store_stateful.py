@@ -21,7 +21,7 @@ from radixserve.cache.tiers import (
     block_format,
     block_key,
 )
-from tests.cache.tiers.test_block_store import FP
+from tests.cache.tiers.block_stores import FP
 
 KEYS = [block_key(i * 1_000_003 + 7, FP) for i in range(6)]
 SIZES = st.sampled_from([0, 10, 300, 700])
