@@ -1,10 +1,11 @@
-// Reading an 8-bit KV pool (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) in fp32, a row at a time:
-// the kernels convert the rows they read into a small L1 buffer, never the pool. The stored
+// Reading an 8-bit KV pool (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) a row at a time: the kernels
+// convert the rows they read into a small L1 buffer (or registers), never the pool. The stored
 // value times its (layer, KV head) scale is the K or V value (attention/kv_quant.py).
 //
-// Through fp16 bits: e5m2 is fp16's upper byte; e4m3's exponent and mantissa shifted into
-// fp16's fields give 2^-8 of its value for normals and subnormals alike (fp16's exponent bias
-// is 8 larger), so a few integer instructions and vcvtph2ps per 16 values, times 256.
+// To fp32 through fp16 bits: e5m2 is fp16's upper byte; e4m3's exponent and mantissa shifted
+// into fp16's fields give 2^-8 of its value for normals and subnormals alike (fp16's exponent
+// bias is 8 larger), so a few integer instructions and vcvtph2ps per 16 values, times 256.
+// To bf16 exactly (Bf16Lut, AVX512-VBMI): two 128-entry byte tables looked up by vpermi2b.
 // torch's extension loader hashes the sources, not this header: bump EXT_BASE in
 // attention/cpu_kernels.py when it changes.
 #pragma once
