@@ -75,7 +75,7 @@ class HostStore(IndexedStore):
             if victims is None:
                 self._counters.errors["no_space"] += 1
                 return StoreStatus.NO_SPACE
-            for victim in victims:
+            for victim, _ in victims:
                 del self._bufs[victim]
             self._bufs[key] = buf
             self._index.add(key, nbytes)
