@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import re
 import shlex
@@ -65,12 +66,14 @@ def quantile(xs: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Shutdown:
-    seconds: float
+    seconds: float  # SIGTERM to exit
+    persist_s: float  # the engine's own figure: every pending block written (nan: none)
     dropped: int  # block writes the first server logged as not done in time
     local_bytes: int  # the local tier's block files after it
 
 
 DROPPED = re.compile(r"KV tiers: (\d+) block writes not done")
+PERSISTED = re.compile(r"KV tiers: every pending block written in ([\d.]+) s")
 
 
 def server_argv(args: argparse.Namespace, *tier_flags: str) -> tuple[str, ...]:
@@ -82,9 +85,11 @@ def server_argv(args: argparse.Namespace, *tier_flags: str) -> tuple[str, ...]:
 
 
 def shutdown_stats(seconds: float, log: Path, local: Path) -> Shutdown:
-    found = DROPPED.findall(log.read_text(errors="replace")) if log.exists() else []
+    text = log.read_text(errors="replace") if log.exists() else ""
+    persisted = PERSISTED.findall(text)
     size = sum(p.stat().st_size for p in local.glob("*.kvb"))
-    return Shutdown(seconds, sum(int(n) for n in found), size)
+    return Shutdown(seconds, float(persisted[-1]) if persisted else math.nan,
+                    sum(int(n) for n in DROPPED.findall(text)), size)
 
 
 def stop_cleanly(server: ServerProcess) -> None:
@@ -165,7 +170,8 @@ def one_run(args: argparse.Namespace, run: int, stem: str
             t0 = time.perf_counter()
             stop_cleanly(first)
             down = shutdown_stats(time.perf_counter() - t0, first_log, local)
-            print(f"   stopped cleanly in {down.seconds:.1f} s: {down.dropped} block writes "
+            print(f"   stopped cleanly in {down.seconds:.1f} s (pool written in "
+                  f"{down.persist_s:.1f} s): {down.dropped} block writes "
                   f"dropped, local tier {down.local_bytes / 2**30:.2f} GiB", flush=True)
         stats: dict[str, TurnStats] = {}
         cold: list[RequestResult] | None = None
@@ -186,7 +192,8 @@ def report(runs: list[dict[str, TurnStats]], downs: list[Shutdown], n_sessions: 
     down = Shutdown(*(statistics.median(getattr(d, f) for d in downs)
                       for f in Shutdown.__dataclass_fields__))
     lines = [f"median of {len(runs)} run(s), {n_sessions} sessions; the first server's clean "
-             f"stop: {down.seconds:.1f} s, {down.dropped:g} block writes dropped, local tier "
+             f"stop: {down.seconds:.1f} s (pool written in {down.persist_s:.1f} s), "
+             f"{down.dropped:g} block writes dropped, local tier "
              f"{down.local_bytes / 2**30:.2f} GiB",
              "", "| system | TTFT p50 s | TTFT p90 s | cached/history min | median | "
              "same text as cold | failed |", "|---|---|---|---|---|---|---|"]

@@ -271,6 +271,9 @@ class KVTiers:
             logger.warning("KV tiers: %d block writes not done within the %.0fs shutdown timeout "
                            "(--kv-offload-shutdown-timeout); those blocks are not warm",
                            dropped, timeout)
+        else:
+            logger.info("KV tiers: every pending block written in %.1f s at shutdown",
+                        timeout - (deadline - time.monotonic()))
         return dropped
 
     # ---- observability (tier_report.py) -------------------------------------------------------
