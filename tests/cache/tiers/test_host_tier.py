@@ -18,7 +18,7 @@ from radixserve.cache.tiers.tier_types import TierHit, TierSettings
 from radixserve.server.metrics import ServerMetrics
 
 LAYERS, SLOTS, HEADS, DIM = 2, 256, 2, 4
-DELAY_S = 0.05  # per file operation (disk) or per read (host layer)
+DELAY_S = 0.1  # per file operation (disk) or per read (host layer): 0.3 s a 3-block load
 HOT = [11] * 48  # three blocks, written last: held by the host layer (and the disk)
 COLD = [7] * 48  # three blocks the host layer evicted: on the disk only
 
@@ -38,9 +38,11 @@ def host_and_disk(tmp_path: Path) -> tuple[KVTiers, HostStore, BlockStore]:
     cache.insert(HOT, list(range(48, 96)))
     cache.evict(48)
     assert tiers.writer.flush() and tiers.sync() == []
-    # The device: 10k prefill tokens/s, so recomputing 48 tokens costs ~5 ms.
+    # The device: 1k prefill tokens/s, so recomputing 48 tokens costs ~48 ms: a 3-block load
+    # slowed to 0.3 s costs more, an unslowed one (well under a millisecond) far less, with
+    # room for a busy box to preempt it.
     for n in (16, 48, 96, 160, 256, 32, 64, 128, 200, 320):
-        tiers.note_prefill(n, n / 2, 1e-3 + 1e-4 * n)
+        tiers.note_prefill(n, n / 2, 1e-3 + 1e-3 * n)
     host, disk = tiers.sources[Tier.HOST], tiers.sources[Tier.LOCAL]
     assert isinstance(host, HostStore) and isinstance(disk, BlockStore)
     return tiers, host, disk
@@ -65,7 +67,7 @@ def test_a_slow_disk_does_not_turn_host_memory_hits_away(tmp_path: Path) -> None
     assert hot.tiers == (Tier.HOST,) * 3 and cold.tiers == (Tier.LOCAL,) * 3
     load_once(tiers, hot)  # host memory: microseconds
     disk.files.delay_s = DELAY_S
-    load_once(tiers, cold)  # 3 reads of 50 ms: slower than recomputing
+    load_once(tiers, cold)  # 3 reads of 100 ms: slower than recomputing
     assert tiers.choose(cold) is None  # the disk's hits are recomputed ...
     chosen = tiers.choose(hot)  # ... host memory's still loaded
     assert chosen is not None and chosen.num_tokens == 48 and not chosen.probe
@@ -91,7 +93,7 @@ def test_a_slow_host_layer_does_not_turn_disk_hits_away(tmp_path: Path) -> None:
     hot, cold = hit_of(tiers, HOT), hit_of(tiers, COLD)
     load_once(tiers, cold)  # the disk, unslowed: well under a millisecond per block
     host.delay_s = DELAY_S
-    load_once(tiers, hot)  # 3 host reads of 50 ms each
+    load_once(tiers, hot)  # 3 host reads of 100 ms each
     assert tiers.choose(hot) is None
     chosen = tiers.choose(cold)
     assert chosen is not None and chosen.num_tokens == 48 and not chosen.probe
