@@ -2,6 +2,8 @@
 
     python -m bench.tier_restart                    # 16 sessions x 4 turns, median of 1
     python -m bench.tier_restart --runs 3
+    python -m bench.tier_restart --kv-cache-memory-bytes 2G --sessions 20 \
+        --tool-result-len 1024 --systems restart      # a 2 GB pool's warm restart
 
 One run, each step a fresh `radixserve serve` on one agent trace (bench/common/tier_workloads.py):
   1. `first`: --kv-offload-dir L --kv-shared-dir S; every session's turns 1..T-1, as the
@@ -10,7 +12,10 @@ One run, each step a fresh `radixserve serve` on one agent trace (bench/common/t
   3. `restart`: --kv-offload-dir L only (the same process restarted): turn T.
   4. `replica`: --kv-shared-dir S only (another replica that never saw the trace): turn T.
 Restart and replica each read only the directory their claim is about, so neither sees what
-the other wrote. Per system: TTFT p50/p90 of the turn-T requests, cached_tokens / history
+the other wrote. `--systems` picks which of the three run (the first server writes the shared
+tier only when `replica` is among them). The stop is timed: its clean exit writes every block
+of the pool within --kv-offload-shutdown-timeout (`--shutdown-timeout`) or logs how many it
+dropped; the report gives the seconds, the blocks dropped and the local tier's size after it. Per system: TTFT p50/p90 of the turn-T requests, cached_tokens / history
 (history = the session's turn T-1 prompt, all that any earlier process could have stored),
 and how many greedy outputs are the same text as cold's (exactness across processes).
 """
@@ -20,7 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -57,10 +64,32 @@ def quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+@dataclass(frozen=True)
+class Shutdown:
+    seconds: float  # SIGTERM to exit
+    persist_s: float  # the engine's own figure: every pending block written (nan: none)
+    dropped: int  # block writes the first server logged as not done in time
+    local_bytes: int  # the local tier's block files after it
+
+
+DROPPED = re.compile(r"KV tiers: (\d+) block writes not done")
+PERSISTED = re.compile(r"KV tiers: every pending block written in ([\d.]+) s")
+
+
 def server_argv(args: argparse.Namespace, *tier_flags: str) -> tuple[str, ...]:
+    pool = (("--kv-cache-memory-bytes", args.kv_cache_memory_bytes) if args.kv_cache_memory_bytes
+            else ("--kv-cache-tokens", str(args.kv_cache_tokens)))
     return (sys.executable, "-m", "radixserve", "serve", "--model", args.model, "--host",
-            "127.0.0.1", "--port", "{port}", "--kv-cache-tokens", str(args.kv_cache_tokens),
-            *shlex.split(args.radixserve_args), *tier_flags)
+            "127.0.0.1", "--port", "{port}", *pool, "--kv-offload-shutdown-timeout",
+            str(args.shutdown_timeout), *shlex.split(args.radixserve_args), *tier_flags)
+
+
+def shutdown_stats(seconds: float, log: Path, local: Path) -> Shutdown:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    persisted = PERSISTED.findall(text)
+    size = sum(p.stat().st_size for p in local.glob("*.kvb"))
+    return Shutdown(seconds, float(persisted[-1]) if persisted else math.nan,
+                    sum(int(n) for n in DROPPED.findall(text)), size)
 
 
 def stop_cleanly(server: ServerProcess) -> None:
@@ -113,7 +142,8 @@ def turn_stats(results: list[RequestResult], sessions: list[Session],
                      statistics.median(fracs), same, len(results) - len(ok))
 
 
-def one_run(args: argparse.Namespace, run: int, stem: str) -> dict[str, TurnStats]:
+def one_run(args: argparse.Namespace, run: int, stem: str
+            ) -> tuple[dict[str, TurnStats], Shutdown]:
     spec = AgentSpec(args.sessions, args.turns, args.system_prompt_len, args.user_len,
                      args.tool_call_len, args.tool_result_len, args.output_len,
                      args.think_time, args.stagger)
@@ -127,17 +157,22 @@ def one_run(args: argparse.Namespace, run: int, stem: str) -> dict[str, TurnStat
     out = Path(args.output_dir)
     plan = {"cold": (), "restart": ("--kv-offload-dir", str(local)),
             "replica": ("--kv-shared-dir", str(shared))}
+    plan = {name: flags for name, flags in plan.items() if name in args.systems}
+    first_flags = ("--kv-offload-dir", str(local)) + (
+        ("--kv-shared-dir", str(shared)) if "replica" in plan else ())
+    first_log = out / f"{stem}_first_{run}.log"
     try:
-        first = ServerProcess(SystemSpec("first", server_argv(
-            args, "--kv-offload-dir", str(local), "--kv-shared-dir", str(shared))),
-            out / f"{stem}_first_{run}.log")
+        first = ServerProcess(SystemSpec("first", server_argv(args, *first_flags)), first_log)
         print(f"== run {run}: first ({spec.num_sessions} sessions x {spec.num_turns - 1} "
               "turns)", flush=True)
         with first:
             asyncio.run(_first(first.base_url, sessions, spec))
             t0 = time.perf_counter()
             stop_cleanly(first)
-            print(f"   stopped cleanly in {time.perf_counter() - t0:.1f} s", flush=True)
+            down = shutdown_stats(time.perf_counter() - t0, first_log, local)
+            print(f"   stopped cleanly in {down.seconds:.1f} s (pool written in "
+                  f"{down.persist_s:.1f} s): {down.dropped} block writes "
+                  f"dropped, local tier {down.local_bytes / 2**30:.2f} GiB", flush=True)
         stats: dict[str, TurnStats] = {}
         cold: list[RequestResult] | None = None
         for name, flags in plan.items():
@@ -148,13 +183,18 @@ def one_run(args: argparse.Namespace, run: int, stem: str) -> dict[str, TurnStat
             stats[name] = turn_stats(results, sessions, cold)
             cold = cold or results
             print(f"   {name}: {stats[name]}", flush=True)
-        return stats
+        return stats, down
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def report(runs: list[dict[str, TurnStats]], n_sessions: int) -> str:
-    lines = [f"median of {len(runs)} run(s), {n_sessions} sessions",
+def report(runs: list[dict[str, TurnStats]], downs: list[Shutdown], n_sessions: int) -> str:
+    down = Shutdown(*(statistics.median(getattr(d, f) for d in downs)
+                      for f in Shutdown.__dataclass_fields__))
+    lines = [f"median of {len(runs)} run(s), {n_sessions} sessions; the first server's clean "
+             f"stop: {down.seconds:.1f} s (pool written in {down.persist_s:.1f} s), "
+             f"{down.dropped:g} block writes dropped, local tier "
+             f"{down.local_bytes / 2**30:.2f} GiB",
              "", "| system | TTFT p50 s | TTFT p90 s | cached/history min | median | "
              "same text as cold | failed |", "|---|---|---|---|---|---|---|"]
     med: dict[str, TurnStats] = {}
@@ -166,9 +206,10 @@ def report(runs: list[dict[str, TurnStats]], n_sessions: int) -> str:
         lines.append(f"| {name} | {m.ttft_p50:.3g} | {m.ttft_p90:.3g} | "
                      f"{m.cached_frac_min:.3f} | {m.cached_frac_median:.3f} | "
                      f"{m.same_text:g}/{n_sessions} | {m.failed:g} |")
-    cold = med["cold"]
     for name in ("restart", "replica"):
-        lines.append(f"TTFT p50 cold/{name}: {cold.ttft_p50 / med[name].ttft_p50:.2f}x")
+        if "cold" in med and name in med:
+            lines.append(f"TTFT p50 cold/{name}: "
+                         f"{med['cold'].ttft_p50 / med[name].ttft_p50:.2f}x")
     return "\n".join(lines)
 
 
@@ -178,6 +219,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--kv-cache-memory-bytes", default=None,
+                   help="the pool's size in bytes instead (e.g. 2G)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="--kv-offload-shutdown-timeout of the first server")
+    p.add_argument("--systems", default="cold,restart,replica",
+                   type=lambda v: [x for x in v.split(",") if x],
+                   help="which of cold,restart,replica serve turn T")
     p.add_argument("--concurrency", type=int, default=4, help="turn-T requests in flight")
     p.add_argument("--tier-parent", default=None, help="where tier dirs go (default $TMPDIR)")
     p.add_argument("--radixserve-args", default="", help="extra flags for every server")
@@ -194,14 +242,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.turns < 2:
         p.error("--turns must be >= 2 (turns 1..T-1 before the restart, T after)")
+    if not args.systems or set(args.systems) - {"cold", "restart", "replica"}:
+        p.error("--systems: a comma list of cold, restart, replica")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stem = time.strftime("tier_restart_%Y%m%d_%H%M%S")
-    runs = [one_run(args, i, stem) for i in range(args.runs)]
-    print("\n" + report(runs, args.sessions), flush=True)
+    done = [one_run(args, i, stem) for i in range(args.runs)]
+    print("\n" + report([r for r, _ in done], [d for _, d in done], args.sessions), flush=True)
     return 0
 
 

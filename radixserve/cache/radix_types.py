@@ -24,12 +24,14 @@ C_INT = np.intc  # the C int behind array('i')
 
 
 class Tier(Enum):
-    """Where a block's KV lives."""
+    """Where a block's KV lives. A tree node is in the POOL, LOCAL or SHARED; HOST (host
+    memory above the local disk, on CUDA) is a place a LOCAL block is read from, with its own
+    load rate and choice counters, never a node's tier."""
 
     POOL = "pool"
+    HOST = "host"
     LOCAL = "local"
     SHARED = "shared"
-
 
 
 def to_array(ids: IntSeq, n: int) -> array[int]:

@@ -79,22 +79,26 @@ class FileOps:
         except OSError:
             return None
 
-    def touch(self, path: Path) -> None:
-        """Mark a block read now (every replica sees it in the file's mtime)."""
+    def touch(self, path: Path) -> int | None:
+        """Mark a block read now (every replica sees it in the file's mtime); the mtime set,
+        in ns, or None when it could not be set."""
         self._wait()
+        now = time.time_ns()
         try:
-            os.utime(path)
+            os.utime(path, ns=(now, now))
         except OSError:
-            pass  # vanished or read-only: only the recency hint is lost
+            return None  # vanished or read-only: only the recency hint is lost
+        return now
 
     def read(self, path: Path) -> bytes:
         self._wait()
         with open(path, "rb", buffering=0) as f:
             return f.read()  # one sequential read of the whole file
 
-    def write_temp(self, key: str, bufs: tuple[bytes, memoryview, bytes], durable: bool) -> Path:
-        """A new temp file holding `bufs`, fsynced when durable. Raises OSError (the partial
-        file is removed)."""
+    def write_temp(self, key: str, bufs: tuple[bytes, memoryview, bytes], durable: bool
+                   ) -> tuple[Path, int]:
+        """A new temp file holding `bufs`, fsynced when durable, and its mtime in ns (a
+        rename keeps it). Raises OSError (the partial file is removed)."""
         tmp = self.root / (f".{key}.{os.getpid()}.{threading.get_ident()}."
                            f"{secrets.token_hex(4)}{TEMP_SUFFIX}")
         self._wait()
@@ -104,12 +108,13 @@ class FileOps:
                 _write_all(fd, bufs)
                 if durable:
                     os.fsync(fd)
+                mtime_ns = os.fstat(fd).st_mtime_ns
             finally:
                 os.close(fd)
         except OSError:
             self.unlink(tmp)
             raise
-        return tmp
+        return tmp, mtime_ns
 
     def replace(self, src: Path, dst: Path) -> None:
         self._wait()

@@ -21,10 +21,18 @@ files after refresh() (the writer thread's, every second, incremental: the direc
 again only when its mtime changed, or every FULL_SCAN_S); a file deleted by another process is
 a miss (ABSENT) and leaves the index at get() or refresh(); a corrupt file is dropped from the
 index but not unlinked (another process may be about to replace it with a good one).
-What a replica may delete: only blocks it indexed, only when its own bound needs the room, and
-never a block any replica read or wrote in the last RECENT_S (every read sets the file's mtime
-with os.utime, so the recency is visible to all replicas). Such a block is only forgotten: it
-leaves this replica's index, stays on disk, and is indexed again once it has been idle that long.
+What a replica counts against its bound (--kv-shared-size): every block in its index (those it
+wrote, and those other replicas of its model wrote that a listing added), plus the blocks it
+evicted but may not delete yet ("held": still on disk, no longer read by this replica), until
+their file is deleted or gone. The count never exceeds the bound: a write that only held
+blocks' room could make is refused (no_space). A listing's new blocks that do not fit are
+not counted: recently used ones are another replica's, idle ones are deleted.
+What a replica may delete: only blocks of its model's namespace that it indexed (or a listing
+found idle and past its bound), only when its bound needs the room, and never a block another
+replica read or wrote in the last RECENT_S: every read sets the file's mtime (visible to all
+replicas); a file whose mtime is still the one this replica set (its own write or read) was
+used by no other replica since. A block in recent use elsewhere is held, and deleted by a
+later listing once it has been idle RECENT_S (so within RECENT_S + FULL_SCAN_S).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ class BlockStore(IndexedStore):
         self.files = FileOps(self.root, io_delay_s)
         self._digest = fp.digest()
         self._publishing: set[str] = set()  # indexed, rename not landed yet
-        self._forgotten: set[str] = set()  # shared: evicted but in recent use elsewhere
+        self._stamps: dict[str, int] = {}  # shared: key -> the mtime (ns) this replica set
         self._dir_mtime_ns: int | None = None
         self._last_full = 0.0
         if scan:
@@ -92,10 +100,10 @@ class BlockStore(IndexedStore):
         header = block_format.encode_header(key, self._digest, len(payload))
         trailer = block_format.encode_checksum(header, payload)
         try:
-            tmp = self.files.write_temp(key, (header, payload, trailer), self.durable)
+            tmp, mtime_ns = self.files.write_temp(key, (header, payload, trailer), self.durable)
         except OSError as e:
             return self._write_failed(e)
-        status = self._publish(key, tmp, size)
+        status = self._publish(key, tmp, size, mtime_ns)
         if status is not StoreStatus.STORED:
             self.files.unlink(tmp)
             return status
@@ -103,7 +111,7 @@ class BlockStore(IndexedStore):
             self._counters.note_store(len(payload), time.perf_counter() - t0)
         return status
 
-    def _publish(self, key: str, tmp: Path, size: int) -> StoreStatus:
+    def _publish(self, key: str, tmp: Path, size: int, mtime_ns: int) -> StoreStatus:
         """Rename the finished temp file into place, evicting LRU blocks to make room."""
         with self._lock:
             if key in self._index:  # another thread of this process stored it meanwhile
@@ -114,7 +122,12 @@ class BlockStore(IndexedStore):
                 return StoreStatus.NO_SPACE
             self._index.add(key, size)
             self._publishing.add(key)
-        self._remove_files(victims)
+        if not self._free(victims, keep=key):  # only blocks in use elsewhere are left
+            with self._lock:
+                self._index.remove(key)
+                self._publishing.discard(key)
+                self._counters.errors["no_space"] += 1
+            return StoreStatus.NO_SPACE
         try:
             self.files.replace(tmp, self.path(key))
         except OSError as e:
@@ -124,20 +137,46 @@ class BlockStore(IndexedStore):
             return self._write_failed(e)
         with self._lock:
             self._publishing.discard(key)
+            if self.tier is Tier.SHARED:
+                self._stamps[key] = mtime_ns
         return StoreStatus.STORED
 
-    def _remove_files(self, victims: list[str]) -> None:
-        """Delete evicted blocks' files (outside the lock); on the shared tier a block in
-        recent use by any replica is only forgotten."""
-        now = time.time()
-        for key in victims:
-            if self.tier is Tier.SHARED:
-                st = self.files.stat(self.path(key))
-                if st is not None and now - st.st_mtime < RECENT_S:
-                    with self._lock:
-                        self._forgotten.add(key)
+    def _free(self, victims: list[tuple[str, int]], keep: str | None = None,
+              new: frozenset[str] = frozenset()) -> bool:
+        """Delete evicted blocks' files (outside the lock). On the shared tier a block in
+        recent use by another replica is held instead (still counted, not deleted) and older
+        blocks are evicted in its place; False when only such blocks (and `keep`) are left
+        and the bound is still exceeded. A block in `new` (found by this listing, never
+        counted) that is in use elsewhere is only left alone."""
+        while victims:
+            held = []
+            for key, size in victims:
+                if self.tier is Tier.SHARED and self._in_use_elsewhere(key):
+                    if key not in new:
+                        held.append((key, size))
                     continue
-            self.files.unlink(self.path(key))
+                self.files.unlink(self.path(key))
+                with self._lock:
+                    self._stamps.pop(key, None)
+            if not held:
+                return True
+            with self._lock:
+                for key, size in held:
+                    self._index.hold(key, size)
+                    self._stamps.pop(key, None)
+                more = self._index.plan_room(0, keep)  # over by the held bytes
+            if more is None:
+                return False
+            victims = more
+        return True
+
+    def _in_use_elsewhere(self, key: str) -> bool:
+        """Read or written by another replica in the last RECENT_S (its mtime is not the one
+        this replica set, and recent)."""
+        st = self.files.stat(self.path(key))
+        if st is None or st.st_mtime_ns == self._stamps.get(key):
+            return False
+        return time.time() - st.st_mtime < RECENT_S
 
     def _write_failed(self, e: OSError) -> StoreStatus:
         """Count a failed write and classify it."""
@@ -167,9 +206,10 @@ class BlockStore(IndexedStore):
             assert reason is not None
             return self._miss(key, reason, reason.value, drop=True)
         out = bytes(payload)
-        if self.tier is Tier.SHARED:
-            self.files.touch(path)  # every replica sees that this block is in use
+        stamp = self.files.touch(path) if self.tier is Tier.SHARED else None  # seen by all
         with self._lock:
+            if stamp is not None:
+                self._stamps[key] = stamp
             self._index.touch(key)
             self._counters.note_hit(len(out), time.perf_counter() - t0)
         return LoadResult(out, None)
@@ -179,6 +219,7 @@ class BlockStore(IndexedStore):
             self._counters.misses += 1
             self._counters.errors[kind] += 1
             dropped = drop and self._index.remove(key)
+            self._stamps.pop(key, None)
         if dropped and reason is not MissReason.ABSENT and self.tier is not Tier.SHARED:
             self.files.unlink(self.path(key))
         return LoadResult(None, reason)
@@ -186,6 +227,8 @@ class BlockStore(IndexedStore):
     def delete(self, key: str) -> None:
         with self._lock:
             self._index.remove(key)
+            self._index.release(key)
+            self._stamps.pop(key, None)
         self.files.unlink(self.path(key))
 
     # -- directory scans -----------------------------------------------------------------------
@@ -216,20 +259,28 @@ class BlockStore(IndexedStore):
 
     def _apply_listing(self, listing: Listing, gone: list[str]) -> None:
         cold = time.time() - RECENT_S
-        fresh = sorted((mtime, key, size) for key, (mtime, size) in listing.blocks.items()
-                       if size >= block_format.MIN_SIZE
-                       and (key not in self._forgotten or mtime < cold))
         with self._lock:
-            self._forgotten &= set(listing.blocks)
+            held = dict(self._index.held)
+        # Held blocks: gone, or idle RECENT_S now (deleted here), stop being counted.
+        idle = [k for k in held if k in listing.blocks and listing.blocks[k][0] < cold]
+        for key in idle:
+            self.files.unlink(self.path(key))
+        fresh = sorted((mtime, key, size) for key, (mtime, size) in listing.blocks.items()
+                       if size >= block_format.MIN_SIZE and key not in held)
+        with self._lock:
+            for key in held:
+                if key not in listing.blocks or key in idle:
+                    self._index.release(key)
             for key in gone:
                 if key not in self._publishing and self._index.remove(key):
                     self._index.evicted.append(key)
+                    self._stamps.pop(key, None)
+            new = frozenset(key for _, key, _ in fresh if key not in self._index)
             for _, key, size in fresh:
-                if key not in self._index:
+                if key in new:
                     self._index.add(key, size)
-                    self._forgotten.discard(key)
             victims = self._index.plan_room(0) or []
-        self._remove_files(victims)
+        self._free(victims, new=new)
 
     def check_integrity(self) -> None:
         """Index bytes recount against the files. A file deleted, or whose size changed, behind

@@ -8,7 +8,8 @@ tier below it (the tree demotes what take_evicted() reports), what a payload mea
 Same contract as BlockStore (put/get/contains/delete/keys/take_evicted/stats/check_integrity)
 minus the checksum: host memory is trusted, so a miss here is only ever ABSENT.
 Thread safety: one lock guards the index and the buffer map; copies into a new buffer run
-outside it.
+outside it. `delay_s` (0 in service) delays every read, as FileOps.delay_s does a file
+operation: a test or bench models a slow host layer with it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class HostStore(IndexedStore):
         self.fp = fp
         self.pinned = torch.cuda.is_available() if pin is None else pin
         self._bufs: dict[str, torch.Tensor] = {}  # key -> (nbytes,) uint8, pinned on CUDA
+        self.delay_s = 0.0  # injected per read (tests, benches)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)  # (nbytes,)
@@ -73,7 +75,7 @@ class HostStore(IndexedStore):
             if victims is None:
                 self._counters.errors["no_space"] += 1
                 return StoreStatus.NO_SPACE
-            for victim in victims:
+            for victim, _ in victims:
                 del self._bufs[victim]
             self._bufs[key] = buf
             self._index.add(key, nbytes)
@@ -87,6 +89,7 @@ class HostStore(IndexedStore):
         `.to(dev, non_blocking=True)` overlaps), or None. Counts a hit/miss and touches the LRU like get(). The buffer is
         not reused after eviction (a new one is allocated per put), so holding it is safe."""
         t0 = time.perf_counter()
+        self._wait()
         with self._lock:
             buf = self._bufs.get(key)
             if buf is None:
@@ -98,6 +101,7 @@ class HostStore(IndexedStore):
 
     def get(self, key: str) -> LoadResult:
         t0 = time.perf_counter()
+        self._wait()
         with self._lock:
             buf = self._bufs.get(key)
             if buf is None:
@@ -108,6 +112,10 @@ class HostStore(IndexedStore):
         with self._lock:
             self._counters.note_hit(len(data), time.perf_counter() - t0)
         return LoadResult(data, None)
+
+    def _wait(self) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
 
     def delete(self, key: str) -> None:
         with self._lock:

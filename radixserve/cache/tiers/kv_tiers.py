@@ -38,7 +38,7 @@ from radixserve.cache.tiers import BlockStore, Fingerprint, HostStore, Tier, blo
 from radixserve.cache.tiers.block_io import BLOCK, KVCodec, Store, TierWriter
 from radixserve.cache.tiers.block_loader import BlockRead, LoadDone, TierLoader
 from radixserve.cache.tiers.chain_memo import ChainMemo
-from radixserve.cache.tiers.layered_store import LayeredStore
+from radixserve.cache.tiers.layered_store import LayeredStore, read_sources
 from radixserve.cache.tiers.load_choice import Choice, LoadChoice
 from radixserve.cache.tiers.tier_report import BlockTag, TierReport
 from radixserve.cache.tiers.tier_types import PoolPaths, TierHit, TierSettings
@@ -87,16 +87,19 @@ class KVTiers:
             disk = BlockStore(settings.local_dir, settings.local_bytes, fp, Tier.LOCAL,
                               durable=settings.durable)
             self.stores[Tier.LOCAL] = disk if settings.host_bytes <= 0 else LayeredStore(
-                HostStore(settings.host_bytes, fp, Tier.LOCAL), disk)
+                HostStore(settings.host_bytes, fp, Tier.HOST), disk)
         if settings.shared_dir is not None:  # one subdirectory per model fingerprint
             self.stores[Tier.SHARED] = BlockStore(shared_namespace(settings.shared_dir, fp),
                                                   settings.shared_bytes, fp, Tier.SHARED,
                                                   durable=settings.durable)
         shared = [s for t, s in self.stores.items() if t is Tier.SHARED]
         self.writer = TierWriter(self.stores, shared, settings.max_pending_bytes)
-        self.loader = TierLoader(codec, self.stores, self.writer.pending)
-        self.choice = LoadChoice(list(self.stores), codec.bytes_per_token)
-        self.report = TierReport(self.stores, self.choice, emit_events)
+        # Where blocks are read from: host memory, the local disk and the shared directory
+        # each have their own load rate (a slow disk never turns host-memory hits away).
+        self.sources = read_sources(self.stores)
+        self.loader = TierLoader(codec, self.sources, self._pending)
+        self.choice = LoadChoice(list(self.sources), codec.bytes_per_token)
+        self.report = TierReport(self.stores, self.sources, self.choice, emit_events)
         self._memo = ChainMemo()
 
     # ---- the tree's hooks (step thread; the pages still hold the node's KV) --------------------
@@ -177,6 +180,16 @@ class KVTiers:
     def _has(self, tier: Tier, key: str) -> bool:
         return self.stores[tier].contains(key) or self.writer.is_pending(tier, key)
 
+    def _where(self, key: str) -> Tier | None:
+        """The first read source holding `key` (a block being written counts as its host
+        layer's when there is one: it is in memory)."""
+        return next((t for t, store in self.sources.items()
+                     if store.contains(key) or self.writer.is_pending(_written_as(t), key)),
+                    None)
+
+    def _pending(self, source: Tier, key: str) -> torch.Tensor | None:
+        return self.writer.pending(_written_as(source), key)
+
     # ---- matching and loading ----------------------------------------------------------------
 
     @_on_step
@@ -191,7 +204,7 @@ class KVTiers:
         tiers: list[Tier] = []
         for h in self._span(token_ids, start - start % BLOCK, salt)[1]:
             key = block_key(h, self.fp)
-            tier = next((t for t in self.stores if self._has(t, key)), None)
+            tier = self._where(key)
             if tier is None:
                 break
             keys.append(key)
@@ -258,6 +271,9 @@ class KVTiers:
             logger.warning("KV tiers: %d block writes not done within the %.0fs shutdown timeout "
                            "(--kv-offload-shutdown-timeout); those blocks are not warm",
                            dropped, timeout)
+        else:
+            logger.info("KV tiers: every pending block written in %.1f s at shutdown",
+                        timeout - (deadline - time.monotonic()))
         return dropped
 
     # ---- observability (tier_report.py) -------------------------------------------------------
@@ -288,6 +304,11 @@ class KVTiers:
     def close(self) -> None:
         self.writer.close()
         self.loader.close()
+
+
+def _written_as(source: Tier) -> Tier:
+    """The store a read source's blocks are written through (the host layer: the local's)."""
+    return Tier.LOCAL if source is Tier.HOST else source
 
 
 def shared_namespace(shared_dir: Path, fp: Fingerprint) -> Path:

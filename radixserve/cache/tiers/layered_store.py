@@ -3,14 +3,17 @@
 Owns: how the two layers compose into one store: a block is written to both (host first, the
 disk after it, on the writer thread), read from host memory when it is there and from the
 disk otherwise. A block the host layer evicts stays on the disk, so host-memory pressure never
-loses a block. Does not know: what a payload means, the tree.
+loses a block. The two layers are two places to read from (read_sources): host memory
+(Tier.HOST) and the disk (Tier.LOCAL) each have their own load rate in the load-or-recompute
+choice. Does not know: what a payload means, the tree.
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixserve.cache.tiers import BlockStore, HostStore, LoadResult, StoreStatus, TierStats
+from radixserve.cache.tiers import BlockStore, HostStore, LoadResult, StoreStatus, Tier, TierStats
+from radixserve.cache.tiers.block_io import Store
 
 _OK = (StoreStatus.STORED, StoreStatus.EXISTS)
 
@@ -70,3 +73,16 @@ class LayeredStore:
     def check_integrity(self) -> None:
         self.host.check_integrity()
         self.disk.check_integrity()
+
+
+def read_sources(stores: dict[Tier, Store]) -> dict[Tier, Store]:
+    """Where a block can be read from, fastest first: a LayeredStore's host layer as
+    Tier.HOST ahead of its disk as Tier.LOCAL; every other store as itself."""
+    out: dict[Tier, Store] = {}
+    for tier, store in stores.items():
+        if isinstance(store, LayeredStore):
+            out[Tier.HOST] = store.host
+            out[tier] = store.disk
+        else:
+            out[tier] = store
+    return out

@@ -1,11 +1,14 @@
 """The bounded LRU index, the counters, and the locked queries shared by every tier store.
 
-Owns: key -> stored size in recency order, the byte total, the list of keys evicted since the
-caller last asked, and the statistics counters. Does not know: where the bytes are (files or
-host memory). LruIndex and TierCounters take no lock; IndexedStore, the stores' base, holds
-the one lock that guards them and answers the queries that only read them.
+Owns: key -> stored size in recency order, the keys held (evicted but not deletable yet:
+still counted against the bound, no longer readable), the byte total, the list of keys
+evicted since the caller last asked, and the statistics counters. Does not know: where the
+bytes are (files or host memory), why a key is held (block_store.py). LruIndex and
+TierCounters take no lock; IndexedStore, the stores' base, holds the one lock that guards them
+and answers the queries that only read them.
 
-Invariant (check): bytes_used == sum(sizes) and bytes_used <= capacity after every plan_room.
+Invariant (check): bytes_used == sum(sizes) + sum(held), and bytes_used <= capacity after
+every plan_room that did not return None.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class LruIndex:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity = capacity_bytes
         self.sizes: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self.held: dict[str, int] = {}  # evicted, bytes not freed yet: counted, not readable
         self.bytes_used = 0
         self.evicted: list[str] = []
 
@@ -33,8 +37,9 @@ class LruIndex:
         return len(self.sizes)
 
     def add(self, key: str, size: int) -> None:
-        """Insert (or replace) `key` as the most recent entry."""
+        """Insert (or replace) `key` as the most recent entry (no longer held, if it was)."""
         self.remove(key)
+        self.release(key)
         self.sizes[key] = size
         self.bytes_used += size
 
@@ -45,29 +50,45 @@ class LruIndex:
         self.bytes_used -= size
         return True
 
+    def hold(self, key: str, size: int) -> None:
+        """Count `key`'s bytes although it left the index (they could not be freed yet)."""
+        self.remove(key)
+        if key not in self.held:
+            self.held[key] = size
+            self.bytes_used += size
+
+    def release(self, key: str) -> bool:
+        """A held key's bytes were freed (or are someone else's now): stop counting them."""
+        size = self.held.pop(key, None)
+        if size is None:
+            return False
+        self.bytes_used -= size
+        return True
+
     def touch(self, key: str) -> None:
         if key in self.sizes:
             self.sizes.move_to_end(key)
 
-    def plan_room(self, need: int, keep: str | None = None) -> list[str] | None:
-        """The oldest keys to evict so that `need` more bytes fit; None if they never can.
+    def plan_room(self, need: int, keep: str | None = None) -> list[tuple[str, int]] | None:
+        """The oldest (key, size) entries to evict so that `need` more bytes fit; None if
+        they never can (held bytes count: only indexed keys can be evicted).
 
         Removes them from the index and records them in `evicted`; the caller deletes their
-        bytes. `keep` (the key being written) is never chosen.
+        bytes (or holds them). `keep` (the key being written) is never chosen.
         """
-        victims: list[str] = []
+        victims: list[tuple[str, int]] = []
         freed = 0
         for key, size in self.sizes.items():
             if self.bytes_used - freed + need <= self.capacity:
                 break
             if key != keep:
-                victims.append(key)
+                victims.append((key, size))
                 freed += size
         if self.bytes_used - freed + need > self.capacity:
             return None  # nothing evicted: the block does not fit even in an empty store
-        for key in victims:
+        for key, _ in victims:
             self.remove(key)
-        self.evicted.extend(victims)
+        self.evicted.extend(key for key, _ in victims)
         return victims
 
     def take_evicted(self) -> list[str]:
@@ -75,8 +96,10 @@ class LruIndex:
         return out
 
     def check(self) -> None:
-        assert self.bytes_used == sum(self.sizes.values()), "bytes_used != sum of entry sizes"
+        assert self.bytes_used == sum(self.sizes.values()) + sum(self.held.values()), (
+            "bytes_used != sum of entry sizes")
         assert all(s >= 0 for s in self.sizes.values())
+        assert not self.held.keys() & self.sizes.keys(), "a key both indexed and held"
 
 
 class TierCounters:

@@ -42,11 +42,15 @@ class BlockTag(NamedTuple):
 
 
 class TierReport:
-    def __init__(self, stores: dict[Tier, Store], choice: LoadChoice, emit: bool) -> None:
+    def __init__(self, stores: dict[Tier, Store], sources: dict[Tier, Store],
+                 choice: LoadChoice, emit: bool) -> None:
+        """`stores`: what is written and evicted; `sources`: where blocks are read from (the
+        host layer apart from the disk), the tiers the stats name."""
         self._stores = stores
+        self._sources = sources
         self._choice = choice
         self._emit = emit
-        self.hit_tokens = dict.fromkeys(stores, 0)
+        self.hit_tokens = dict.fromkeys(sources, 0)
         self.errors: dict[str, int] = {}
         self.load_seconds = 0.0
         self.num_loads = 0
@@ -101,7 +105,7 @@ class TierReport:
     def stats(self) -> dict[str, Any]:
         tiers = {}
         errors = dict(self.errors)
-        for tier, store in self._stores.items():
+        for tier, store in self._sources.items():
             st = store.stats()
             rate = self._choice.rates[tier].rate
             tiers[tier.value] = {

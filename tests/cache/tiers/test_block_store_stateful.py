@@ -123,9 +123,10 @@ class StoreMachine(RuleBasedStateMachine):
             self.model.move_to_end(k)
 
     def _adopt_shared_scan(self) -> None:
-        """The shared tier's files outlive its index (evicted blocks written in the last minute
-        are forgotten, not deleted), and their mtimes tie within a run, so a restart keeps any
-        of them within the bound: each must hold its last payload, and the model follows."""
+        """The shared tier's files may outlive its index (an evicted block whose mtime is not
+        the one this store set, as after the test rewrote it, is held, not deleted), and
+        their mtimes tie within a run, so a restart keeps any of them within the bound: each
+        must hold its last payload, and the model follows."""
         self.store.take_evicted()  # the scan's own trimming: not the model's evictions
         keys = sorted(self.store.keys())
         assert set(keys) <= set(self.on_disk)
