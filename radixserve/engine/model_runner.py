@@ -207,6 +207,9 @@ class ModelRunner:
         else:
             self.graphs = start_graphs(cfg, self.device, self.backend_name, self.model,
                                        self.pool, self.spec.vocab_size)
+        if self.tp is not None and self.tp_workers is not None:
+            # Only now: a heartbeat during the set-up's own collectives would cross them.
+            self.tp_workers.start_heartbeat(self.tp)
 
     def _log_pool(self) -> None:
         size, pool = self.pool.size, self.pool

@@ -116,8 +116,8 @@ class TPWorkers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
 
-    def attach(self, comm: TPComm) -> None:
-        """Start the heartbeat once the group exists."""
+    def start_heartbeat(self, comm: TPComm) -> None:
+        """Once every rank finished its set-up (whose collectives a PING would cross)."""
         self._comm = comm
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
 
@@ -204,8 +204,6 @@ def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: 
         if workers is not None:
             workers.terminate()
         raise
-    if workers is not None:
-        workers.attach(comm)
     return TPShard(tp_rank.rank, size, spec), comm, workers
 
 
