@@ -145,8 +145,12 @@ class TPWorkers:
                 return
             try:
                 self._comm.ping_if_idle(HEARTBEAT_S)
-            except RuntimeError:
-                return  # the monitor or the next step reports the broken group
+            except RuntimeError as err:  # a rank on another node died: no sentinel tells
+                time.sleep(1.0)  # a local worker's death is the monitor's to name
+                if self.failure is None:
+                    self.failure = f"the tensor-parallel group broke while idle: {err}"
+                    logger.error("%s", self.failure)
+                return
 
     def check(self) -> None:
         if self.failure is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,7 +24,7 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.routing.route_key import HFPromptEncoder
 from tests.engine.test_tensor_parallel import gone
-from tests.server_proc import ServerProc, running_server
+from tests.server_proc import ServerProc, free_port, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -143,3 +145,34 @@ async def test_a_sigkilled_rank_under_load_fails_every_client_fast(tiny_llama: P
     while not (gone(worker) and gone(engine_pid)) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert gone(worker) and gone(engine_pid)
+
+
+def test_two_nodes_on_loopback_serve_as_one(tiny_llama: Path, tmp_path: Path) -> None:
+    """`--nnodes 2`: node 1 (`--node-rank 1`) runs rank 1 only, node 0 the server and rank 0;
+    they meet at --dist-init-addr. Answers equal TP 1's; stopping node 0 stops node 1."""
+    from radixserve import LLM, SamplingParams
+
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    with open(tmp_path / "node1.log", "wb") as sink:
+        node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model",
+                                  str(tiny_llama), "--dtype", "float32", "--num-threads", "1",
+                                  *nodes, "--node-rank", "1"], stdout=sink,
+                                 stderr=subprocess.STDOUT, env=env)
+    try:
+        with running_server(tiny_llama, tmp_path / "node0.log", [*nodes, "--node-rank", "0"],
+                            env={"GLOO_SOCKET_IFNAME": "lo"}) as node0:
+            answer = post(node0, "/v1/completions", {
+                "prompt": PREFIX, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert node0.info()["engine_info"]["tensor_parallel_size"] == 2
+            assert node0.info()["engine_info"]["tp_worker_pids"] == []  # rank 1 is remote
+        assert node1.wait(30) == 0  # node 0's clean stop reached it
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(10)
+    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=4096)
+    want = llm.generate([PREFIX], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert answer["choices"][0]["text"] == want[0].text
+    assert "node 1 of 2: tensor-parallel ranks 1-1" in (tmp_path / "node1.log").read_text()
