@@ -203,7 +203,8 @@ def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: 
         logger.info("tensor parallel: %d ranks (%d on this node), rendezvous %s", size,
                     size // cfg.nnodes, tp_rank.init_method)
     try:
-        comm = TPComm(tp_rank.rank, size, device, tp_rank.init_method)
+        comm = TPComm(tp_rank.rank, size, device, tp_rank.init_method,
+                      check_peers=None if workers is None else workers.check)
     except Exception:
         if workers is not None:
             workers.terminate()

@@ -1,7 +1,8 @@
 """TPComm: one tensor-parallel rank's collectives on torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Owns: joining the process group (with a timeout, so that no collective waits forever on a
-rank that hangs), the collectives the sharded forward needs (the row-parallel all-reduce, the
+Owns: joining the process group (rank 0's store first, where it counts the workers in while
+checking that none died; then the group, with a timeout, so that no collective waits forever on
+a rank that hangs), the collectives the sharded forward needs (the row-parallel all-reduce, the
 LM head's gather of vocabulary shards to rank 0), the step broadcast (a fixed int64 header,
 then the payload it announces), the lock that keeps every collective sequence of a step in
 one order on rank 0 (its idle heartbeat shares the group), and the time spent inside
@@ -14,6 +15,7 @@ import datetime
 import enum
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ import torch.distributed as dist
 # collectives of the other ranks.
 COLLECTIVE_TIMEOUT_S = 300.0
 HEADER_LEN = 2  # (kind, payload length)
+_JOINED = "radixserve/tp_joined"  # the store's count of workers that reached rank 0
 
 
 class StepKind(enum.IntEnum):
@@ -35,11 +38,30 @@ class StepKind(enum.IntEnum):
 
 class TPComm:
     def __init__(self, rank: int, size: int, device: torch.device, init_method: str,
-                 timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+                 timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                 check_peers: Callable[[], None] | None = None) -> None:
+        """`init_method`: tcp://HOST:PORT (rank 0 listens there). `check_peers`: rank 0's
+        check of the workers it started, called while it waits for them to join (it raises
+        when one died, instead of waiting out the timeout)."""
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        if rank == 0:
+            deadline = time.monotonic() + timeout_s
+            while store.add(_JOINED, 0) < size - 1:
+                if check_peers is not None:
+                    check_peers()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel ranks did not join {init_method} "
+                                       f"within {timeout_s:.0f} s")
+                time.sleep(0.05)
+        else:
+            store.add(_JOINED, 1)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timeout)
         self.lock = threading.Lock()  # rank 0: one step's collectives, or one heartbeat
         self.last_used = time.monotonic()
         self.collective_seconds = 0.0  # inside collectives, since start

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from radixserve import LLM, SamplingParams
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.tp_ranks import TPFailedError
 from tests.engine.test_engine_cache import run_checked, shared_prefix_prompts
+from tests.repo import REPO_ROOT
 from tests.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -139,3 +142,15 @@ def test_smollm2_tp3_equals_tp1_and_tp2_is_refused() -> None:
         finally:
             llm.close()
     assert results[3] == results[1] and all(len(t) > 0 for t in results[1])
+
+
+def test_a_worker_dead_before_joining_fails_the_start_at_once(tiny_llama: Path) -> None:
+    """A program read from stdin cannot be re-imported by a spawned child, so its worker dies
+    while starting: rank 0 must say so at once, not wait out the rendezvous timeout."""
+    code = (f"from radixserve import LLM\n"
+            f"LLM(model={str(tiny_llama)!r}, dtype='float32', tensor_parallel_size=2)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert out.returncode != 0 and time.monotonic() - t0 < 60
+    assert "TPFailedError: tensor-parallel rank 1 (pid" in out.stderr
