@@ -176,3 +176,20 @@ def test_two_nodes_on_loopback_serve_as_one(tiny_llama: Path, tmp_path: Path) ->
     want = llm.generate([PREFIX], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert answer["choices"][0]["text"] == want[0].text
     assert "node 1 of 2: tensor-parallel ranks 1-1" in (tmp_path / "node1.log").read_text()
+
+
+def test_restart_engine_brings_back_a_whole_tp_group(tiny_llama: Path, tmp_path: Path) -> None:
+    with running_server(tiny_llama, tmp_path / "tp2.log", [*TP2, "--restart-engine"]) as server:
+        (worker,) = server.info()["engine_info"]["tp_worker_pids"]
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while server.info()["engine_info"].get("tp_worker_pids") in (None, [worker]):
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.2)
+        server.wait_healthy()
+        (new_worker,) = server.info()["engine_info"]["tp_worker_pids"]
+        answer = post(server, "/v1/completions", {"prompt": PREFIX, "max_tokens": 4,
+                                                  "temperature": 0, "ignore_eos": True})
+        assert answer["usage"]["completion_tokens"] == 4
+        assert "engine restarted" in server.output() and gone(worker)
+    assert new_worker != worker and gone(new_worker)
