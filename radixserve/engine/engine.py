@@ -109,7 +109,7 @@ class Engine:
                                    else dataclasses.asdict(self.cfg.speculative_config)),
             "kv_offload": None if self.tiers is None else self.tiers.describe(),
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
-            "tp_worker_pids": [] if r.tp_workers is None else r.tp_workers.pids,
+            "tp_worker_pids": [] if r.tp_lead is None else r.tp_lead.pids,
         }
 
     def add_request(self, msg: GenerateMsg) -> None:

@@ -29,15 +29,15 @@ from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
-from radixserve.engine.tp_ranks import TPRank, TPWorkers, start_tp
-from radixserve.engine.tp_step import pack_step
+from radixserve.engine.tp_lead import TPLead, start_tp
+from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
-from radixserve.parallel.comm import StepKind, TPComm
+from radixserve.parallel.comm import TPComm
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
 from radixserve.sched.decode import DecodeRows
@@ -160,12 +160,11 @@ class ModelRunner:
                 f"max_position_embeddings {self.spec.max_position_embeddings}"
             )
         self.tp: TPComm | None = None
-        self.tp_workers: TPWorkers | None = None  # rank 0's: its node's worker processes
+        self.tp_lead: TPLead | None = None  # rank 0's: the step broadcast, its workers
         shard = None
         if tp_size > 1:
-            shard, self.tp, self.tp_workers = start_tp(cfg, self.spec, self.device, tp_rank)
+            shard, self.tp, self.tp_lead = start_tp(cfg, self.spec, self.device, tp_rank)
         self.is_lead = tp_rank is None or tp_rank.rank == 0
-        self.tp_steps = 0  # rank 0: forwards run with the workers
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
                                show_progress, shard)
         rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
@@ -207,9 +206,8 @@ class ModelRunner:
         else:
             self.graphs = start_graphs(cfg, self.device, self.backend_name, self.model,
                                        self.pool, self.spec.vocab_size)
-        if self.tp is not None and self.tp_workers is not None:
-            # Only now: a heartbeat during the set-up's own collectives would cross them.
-            self.tp_workers.start_heartbeat(self.tp)
+        if self.tp_lead is not None:
+            self.tp_lead.start_heartbeat()
 
     def _log_pool(self) -> None:
         size, pool = self.pool.size, self.pool
@@ -373,14 +371,12 @@ class ModelRunner:
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
         key = self.graphs.key_for(batch) if self.graphs is not None else None
-        if self.tp is not None:
-            logits = self._forward_tp(inputs)
+        if self.tp_lead is not None:
+            logits = self.tp_lead.forward(inputs, self.forward_eager)
         elif self.graphs is not None and key is not None:
             logits = self.graphs.forward(key, inputs)
         else:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                        self.pool.k, self.pool.v, inputs.logit_rows,
-                                        self.kv_scales)
+            logits = self.forward_eager(inputs)
         if batch.rows is not None:  # a plain decode step: one token per running request
             return self.sampler.sample(logits, batch.rows.reqs,
                                        plain=batch.rows.plain_sampling)
@@ -390,38 +386,18 @@ class ModelRunner:
         drafts = [e.draft for e in picked] if batch.has_drafts else None
         return self.sampler.sample(logits, [e.req for e in picked], drafts)
 
-    def _forward_tp(self, inputs: StepInputs) -> torch.Tensor:
-        """Rank 0 under tensor parallelism: broadcast the step, run its shard with the others;
-        a dead rank or a failed collective raises TPFailedError (the engine cannot go on)."""
-        tp, workers = self.tp, self.tp_workers
-        assert tp is not None and workers is not None
-        workers.check()
-        payload = pack_step(inputs)  # (P,) int64
-        try:
-            with tp.lock:
-                tp.send_header(StepKind.FORWARD, payload.numel())
-                tp.send_payload(payload)
-                logits: torch.Tensor = self.model.forward(
-                    inputs.input_ids, inputs.positions, inputs.meta, self.pool.k, self.pool.v,
-                    inputs.logit_rows, self.kv_scales)
-        except RuntimeError as err:
-            raise workers.error_for(err) from err
-        self.tp_steps += 1
-        return logits
+    def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
+        """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.pool.k,
+                                  self.pool.v, inputs.logit_rows, self.kv_scales)
 
     def tp_stats(self) -> dict[str, Any]:
         """Tensor parallelism's figures (empty without it); raises TPFailedError once a rank
-        died, so that an idle engine learns it too."""
-        if self.tp is None or self.tp_workers is None:
-            return {}
-        self.tp_workers.check()
-        steps = max(self.tp_steps, 1)
-        return {"tp_size": self.tp.size, "tp_steps": self.tp_steps,
-                "tp_collective_seconds": self.tp.collective_seconds,
-                "tp_collective_ms_per_step": 1e3 * self.tp.collective_seconds / steps}
+        died."""
+        return {} if self.tp_lead is None else self.tp_lead.stats()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them)."""
-        if self.tp is not None and self.tp_workers is not None:
-            self.tp_workers.close(self.tp)
-            self.tp_workers = None
+        if self.tp_lead is not None:
+            self.tp_lead.close()
+            self.tp_lead = None

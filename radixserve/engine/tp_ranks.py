@@ -24,11 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from radixserve.config import EngineConfig
-from radixserve.model.arch import ModelArch
-from radixserve.model.tp_shard import TPShard
 from radixserve.parallel.comm import StepKind, TPComm
 
 logger = logging.getLogger(__name__)
@@ -187,29 +183,6 @@ class TPWorkers:
             p.join(max(deadline - time.monotonic(), 0.0))
         self.terminate()
         comm.close()
-
-
-def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: TPRank | None
-             ) -> tuple[TPShard, TPComm, TPWorkers | None]:
-    """This rank's shard and its place in the group. Rank 0 (`tp_rank` None) first checks
-    that the ranks divide the model (ConfigError before any process starts), then starts its
-    node's workers; every rank then joins the group."""
-    size = cfg.tensor_parallel_size
-    workers = None
-    if tp_rank is None:
-        TPShard(0, size, spec)  # raises ConfigError for a size the heads do not allow
-        tp_rank = lead_rank(cfg)
-        workers = TPWorkers(cfg, tp_rank)
-        logger.info("tensor parallel: %d ranks (%d on this node), rendezvous %s", size,
-                    size // cfg.nnodes, tp_rank.init_method)
-    try:
-        comm = TPComm(tp_rank.rank, size, device, tp_rank.init_method,
-                      check_peers=None if workers is None else workers.check)
-    except Exception:
-        if workers is not None:
-            workers.terminate()
-        raise
-    return TPShard(tp_rank.rank, size, spec), comm, workers
 
 
 def run_node(cfg: EngineConfig) -> int:

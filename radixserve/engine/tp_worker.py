@@ -49,8 +49,7 @@ def serve_steps(runner: ModelRunner) -> None:
             continue
         inputs = unpack_step(payload, pool.slot_table)
         write_slot_table(pool.slot_table, inputs.meta, inputs.positions, inputs.table_back)
-        runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, pool.k, pool.v,
-                             inputs.logit_rows, runner.kv_scales)
+        runner.forward_eager(inputs)
         num_steps += 1
 
 

@@ -47,8 +47,9 @@ class TPComm:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        tcp_store = dist.TCPStore  # type: ignore[attr-defined]
+        store = tcp_store(host, int(port), size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
         if rank == 0:
             deadline = time.monotonic() + timeout_s
             while store.add(_JOINED, 0) < size - 1:
