@@ -154,3 +154,23 @@ def test_a_worker_dead_before_joining_fails_the_start_at_once(tiny_llama: Path) 
                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert out.returncode != 0 and time.monotonic() - t0 < 60
     assert "TPFailedError: tensor-parallel rank 1 (pid" in out.stderr
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on CPU need the interpreter (conftest sets it "
+                           "without CUDA)")
+def test_tp2_on_the_fused_triton_forward_equals_tp1(tiny_llama: Path) -> None:
+    """The forward CUDA runs (fused_forward.py, Triton attention), here under Triton's
+    interpreter on CPU: its all-reduces and logits gather give TP 1's tokens."""
+    prompts = [list(range(3, 30)), [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        llm = make_llm(tiny_llama, tp, device="cpu", attention_backend="triton",
+                       kv_cache_tokens=2048, max_model_len=256)
+        try:
+            assert llm.engine.runner.model.fused is not None
+            results[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.close()
+    assert results[2] == results[1]
