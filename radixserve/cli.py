@@ -74,6 +74,11 @@ _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
      "model's blocks, never one any replica read in the last minute"),
     ("--kv-offload-shutdown-timeout", float, "kv_offload_shutdown_timeout",
      "seconds a clean shutdown waits for pending tier writes (default 30); the rest is logged"),
+    ("--nnodes", int, "nnodes", "nodes the tensor-parallel ranks span (default 1)"),
+    ("--node-rank", int, "node_rank", "this node's index; > 0: run only this node's "
+     "tensor-parallel workers (no HTTP server)"),
+    ("--dist-init-addr", str, "dist_init_addr", "HOST:PORT where the ranks meet (node 0's "
+     "address; needed with --nnodes > 1)"),
 ]
 _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--host", str, "host", "bind address"),
@@ -112,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HF folder, .gguf file, or smollm2-135m (the default)")
     for flag, typ, field, text in _ENGINE_FLAGS + _SERVER_FLAGS:
         serve.add_argument(flag, type=typ, default=None, dest=field, help=text)
+    serve.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=None,
+                       dest="tensor_parallel_size",
+                       help="split the model over N ranks (processes; one GPU each on CUDA)")
     serve.add_argument("--api-key", action="append", default=None, dest="api_keys",
                        help=f"accepted Bearer key (repeatable; also ${API_KEY_ENV})")
     serve.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction,
@@ -166,7 +174,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
-        "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
+        "tensor_parallel_size", "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
         "structured_outputs_allow_additional_properties", "enforce_eager"]
     engine_kwargs = given(engine_names)
     kv_zmq = None
@@ -204,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"radixserve: error: {err}", file=sys.stderr)
             return 2
+    if cfg.engine.node_rank > 0:  # another node of a multi-node model: its workers only
+        from radixserve.engine.tp_ranks import run_node
+
+        return run_node(cfg.engine)
     from radixserve.server.serve import run_server
 
     return run_server(cfg)

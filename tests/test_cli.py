@@ -75,3 +75,29 @@ def test_cache_control_flags() -> None:
     assert cfg.admin_key == "root" and cfg.api_keys == ("k",)
     assert main(["serve", "--eviction-policy", "lfu"]) == 2
     assert main(["serve", "--tenant-cache-quota", "1.5"]) == 2
+
+
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "2"],
+                                  ["--tp-size", "2"]])
+def test_tensor_parallel_flags(argv: list[str]) -> None:
+    e = config(argv).engine
+    assert (e.tensor_parallel_size, e.nnodes, e.node_rank, e.dist_init_addr) == (2, 1, 0, None)
+
+
+def test_multi_node_flags() -> None:
+    e = config(["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+                "--dist-init-addr", "10.0.0.5:29500"]).engine
+    assert (e.tensor_parallel_size, e.nnodes, e.node_rank, e.dist_init_addr) == (
+        4, 2, 1, "10.0.0.5:29500")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size"),
+    (["-tp", "2", "--nnodes", "2"], "--dist-init-addr"),
+    (["-tp", "2", "--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
+])
+def test_tensor_parallel_config_errors_exit_cleanly(argv: list[str], words: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radixserve: error:") and words in err

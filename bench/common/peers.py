@@ -47,6 +47,10 @@ def _radixserve_systems(args: argparse.Namespace) -> list[SystemSpec]:
             *([SystemSpec("radixserve-spec", (*rs, "--speculative-config",
                                               args.speculative_config))]
               if args.speculative_config else []),
+            *([SystemSpec(f"radixserve-tp{args.tensor_parallel_size}",
+                          (*rs, "--tensor-parallel-size", str(args.tensor_parallel_size),
+                           "--num-threads", str(args.tp_num_threads)))]
+              if args.tensor_parallel_size else []),
             *([SystemSpec(f"radixserve-{args.kv_cache_dtype}",
                           (*rs, "--kv-cache-dtype", args.kv_cache_dtype))]
               if args.kv_cache_dtype else []),

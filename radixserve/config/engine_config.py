@@ -94,6 +94,12 @@ class EngineConfig:
     # A clean shutdown writes every pending tier block within this many seconds (or logs
     # how many it dropped).
     kv_offload_shutdown_timeout: float = 30.0
+    # Tensor parallelism (engine/tp_ranks.py): the model's layers split over this many ranks
+    # (processes on torch.distributed: gloo on CPU, NCCL on CUDA), SGLang's multi-node names.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous (several nodes)
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -147,6 +153,36 @@ class EngineConfig:
         if self.chunked_prefill_size < 0:
             raise ConfigError("chunked_prefill_size must be >= 0 (0 disables chunking)")
         self._check_tiers()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        for name, value in (("tensor_parallel_size", tp), ("nnodes", nodes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.node_rank < nodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes - 1] = [0, {nodes - 1}], got "
+                              f"{self.node_rank}")
+        if tp % nodes:
+            raise ConfigError(f"tensor_parallel_size {tp} must be a multiple of nnodes {nodes} "
+                              "(the same number of ranks on every node)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"dist_init_addr must be HOST:PORT, got "
+                                  f"{self.dist_init_addr!r}")
+        elif nodes > 1:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's node)")
+        if tp == 1:
+            return
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with "
+                              "tensor_parallel_size > 1 yet (its scales are per KV head of "
+                              "the whole model); use the model's dtype (auto)")
+        if self.kv_tiers_enabled:
+            raise ConfigError("--kv-offload-dir / --kv-shared-dir are not supported with "
+                              "tensor_parallel_size > 1 yet (each rank's pool holds only its "
+                              "KV heads)")
 
     def _check_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

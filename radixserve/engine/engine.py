@@ -108,6 +108,8 @@ class Engine:
             "speculative_config": (None if self.cfg.speculative_config is None
                                    else dataclasses.asdict(self.cfg.speculative_config)),
             "kv_offload": None if self.tiers is None else self.tiers.describe(),
+            "tensor_parallel_size": self.cfg.tensor_parallel_size,
+            "tp_worker_pids": [] if r.tp_lead is None else r.tp_lead.pids,
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
@@ -167,13 +169,14 @@ class Engine:
         t.load_tokens += num_tokens
 
     def close(self) -> None:
-        """Stop the tier threads; with write-back, first write the pool's blocks to the local
+        """Stop the tier threads and the tensor-parallel workers; with write-back, first write the pool's blocks to the local
         tier so that the next process starts warm (write-through already did), within
         --kv-offload-shutdown-timeout; what is not written by then is logged."""
         if self.tiers is not None:
             self.tiers.persist(self.cache, self.cfg.kv_offload_shutdown_timeout)
             self.tiers.close()
             self.tiers = None
+        self.runner.close()  # the tensor-parallel workers, if any
 
     # ---- pinned prefixes (the calls of /cache/pin): engine/pin_calls.py answers them ----
 
@@ -194,6 +197,7 @@ class Engine:
         # Static, but /metrics renders only the stats snapshot: the pool's format and size.
         stats["kv_cache_dtype"] = self.runner.kv_cache_dtype
         stats["kv_cache_bytes"] = self.runner.pool.num_bytes
+        stats.update(self.runner.tp_stats())  # raises once a tensor-parallel rank died
         if self.tiers is not None:
             stats["kv_offload"] = {**self.tiers.stats(),
                                    "tree_tokens": {t.value: n for t, n in

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,13 +28,16 @@ from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.sampler import Sampler, SampleResult
-from radixserve.engine.step_inputs import StepInputs
+from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
+from radixserve.engine.tp_lead import TPLead, start_tp
+from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
+from radixserve.parallel.comm import TPComm
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
 from radixserve.sched.decode import DecodeRows
@@ -46,11 +50,15 @@ CPU_KV_BUDGET_BYTES = 1 << 30  # default on CPU; --kv-cache-tokens overrides
 GPU_MEMORY_FRACTION = 0.85
 
 
-def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(cfg: EngineConfig, local_rank: int = 0
+                         ) -> tuple[torch.device, torch.dtype]:
+    """`local_rank`: a tensor-parallel rank's index on its node (its GPU)."""
     if cfg.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(cfg.device)
+    if device.type == "cuda" and cfg.tensor_parallel_size > 1:
+        device = torch.device("cuda", local_rank)
     if cfg.dtype == "auto":
         choice = choose_auto_dtype(device, cpu_flags())
         logger.info("%s", choice.describe())
@@ -128,10 +136,16 @@ class _DecodeFixed:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, show_progress: bool = True) -> None:
-        self.device, self.dtype = resolve_device_dtype(cfg)
+    """`tp_rank`: on a tensor-parallel worker (tp_worker.py), which rank this is; None on rank
+    0 (the engine's runner), which starts the workers of its node when the config asks for
+    tensor parallelism, then loads its own shard like each of them."""
+
+    def __init__(self, cfg: EngineConfig, show_progress: bool = True,
+                 tp_rank: TPRank | None = None) -> None:
+        tp_size = cfg.tensor_parallel_size
+        self.device, self.dtype = resolve_device_dtype(cfg, tp_rank.local_rank if tp_rank else 0)
         if cfg.num_threads or self.device.type == "cpu":
-            threads = choose_num_threads(cfg.num_threads)
+            threads = choose_num_threads(cfg.num_threads, tp_size)
             torch.set_num_threads(threads.num_threads)
             logger.info("torch threads: %d (%s)", threads.num_threads, threads.reason)
         if self.device.type == "cpu" and keep_freed_memory():
@@ -145,26 +159,38 @@ class ModelRunner:
                 f"max_model_len {cfg.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.spec.max_position_embeddings}"
             )
+        self.tp: TPComm | None = None
+        self.tp_lead: TPLead | None = None  # rank 0's: the step broadcast, its workers
+        shard = None
+        if tp_size > 1:
+            shard, self.tp, self.tp_lead = start_tp(cfg, self.spec, self.device, tp_rank)
+        self.is_lead = tp_rank is None or tp_rank.rank == 0
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
-                               show_progress)
+                               show_progress, shard)
         rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
                              self.device)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
-        self.model = LlamaModel(self.spec, weights, rotary, backend, cfg.quantization)
+        model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
+        self.model = LlamaModel(model_spec, weights, rotary, backend, cfg.quantization,
+                                tp=self.tp, shard=shard)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
                     f", {cfg.quantization}" if cfg.quantization else "")
         self.kv_cache_dtype = cfg.kv_cache_dtype
         kv_dtype = storage_dtype(cfg.kv_cache_dtype, self.dtype)
-        self.pool = KVPool(self._pool_size(cfg, kv_dtype), self.spec.num_layers,
-                           self.spec.num_kv_heads, self.spec.head_dim, cfg.max_running_requests,
-                           self.max_model_len, kv_dtype, self.device)
+        self.pool = KVPool(self._pool_size(cfg, kv_dtype, model_spec.num_kv_heads),
+                           self.spec.num_layers, model_spec.num_kv_heads, self.spec.head_dim,
+                           cfg.max_running_requests, self.max_model_len, kv_dtype, self.device)
+        self.kv_scale_source = None
+        self.kv_scales = self.pool.layer_scales()
+        self.graphs: CudaGraphRunner | None = None
+        if not self.is_lead:
+            return  # a worker: no tokenizer, sampler or graphs (rank 0 samples)
         from radixserve.tokenizer import eos_token_ids, load_tokenizer
 
         tokenizer = load_tokenizer(self.resolved.hf_dir)
         self.eos_token_ids = eos_token_ids(tokenizer, self.spec.eos_token_id)
-        self.kv_scale_source = None
         if is_fp8(kv_dtype):
             from radixserve.engine.kv_calibration import set_pool_scales
 
@@ -175,8 +201,13 @@ class ModelRunner:
         self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
         self._decode_fixed: _DecodeFixed | None = None  # of the last plain decode step
         # Last: the graphs read the pool's tensors and replay the model as it now is.
-        self.graphs: CudaGraphRunner | None = start_graphs(
-            cfg, self.device, self.backend_name, self.model, self.pool, self.spec.vocab_size)
+        if self.tp is not None:
+            logger.info("CUDA graphs: not used (tensor parallelism runs eagerly)")
+        else:
+            self.graphs = start_graphs(cfg, self.device, self.backend_name, self.model,
+                                       self.pool, self.spec.vocab_size)
+        if self.tp_lead is not None:
+            self.tp_lead.start_heartbeat()
 
     def _log_pool(self) -> None:
         size, pool = self.pool.size, self.pool
@@ -186,9 +217,12 @@ class ModelRunner:
                     self.kv_cache_dtype, str(pool.dtype).removeprefix("torch."), how,
                     size.num_slots, pool.num_bytes, pool.num_bytes / 2**30)
 
-    def _pool_size(self, cfg: EngineConfig, kv_dtype: torch.dtype) -> KVPoolSize:
-        per_token = bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads,
-                                    self.spec.head_dim, kv_dtype)
+    def _pool_size(self, cfg: EngineConfig, kv_dtype: torch.dtype, num_kv_heads: int
+                   ) -> KVPoolSize:
+        """`num_kv_heads`: this rank's; under tensor parallelism every rank takes the smallest
+        page count any rank can hold, so that a page id is the same slot on every rank."""
+        per_token = bytes_per_token(self.spec.num_layers, num_kv_heads, self.spec.head_dim,
+                                    kv_dtype)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         elif cfg.kv_cache_memory_bytes is not None:
@@ -200,6 +234,8 @@ class ModelRunner:
             avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
             tokens = min(CPU_KV_BUDGET_BYTES, avail // 4) // per_token
         num_pages = tokens // cfg.page_size
+        if self.tp is not None:
+            num_pages = self.tp.min_int(num_pages)
         if num_pages * cfg.page_size < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_pages * cfg.page_size} tokens, fewer than one request of "
@@ -248,7 +284,6 @@ class ModelRunner:
         extend_t = torch.tensor(extend_lens, dtype=torch.int32, device=dev)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         out_slots_t = torch.tensor(out_slots, dtype=torch.int64, device=dev)
-        self._write_table(rows_t, extend_t, positions_t, out_slots_t, back)
         shared, own_start = self._shared_prefixes(reqs)
         # Verifying drafts is a prefill over a cached prefix, not a one-token decode.
         phase = Phase.PREFILL if batch.phase is Phase.DECODE and batch.has_drafts else batch.phase
@@ -270,11 +305,14 @@ class ModelRunner:
             own_start=torch.tensor(own_start, dtype=torch.int64, device=dev),
             own_start_cpu=tuple(own_start),
         )
+        table_back = back_writes(back, dev)
+        write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions_t,
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            table_back=table_back,
         )
 
     def _shared_prefixes(self, reqs: list[Req]) -> tuple[list[SharedPrefix], list[int]]:
@@ -314,7 +352,6 @@ class ModelRunner:
                 for i, first in batch.lagging.items()]
         positions_t = torch.tensor(pos, dtype=torch.int64, device=dev)  # (B,)
         out_slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)  # (B,)
-        self._write_table(fixed.rows_t, fixed.ones, positions_t, out_slots_t, back)
         prefix_t = positions_t.to(torch.int32)  # (B,)
         max_pos = max(pos)
         meta = AttentionMetadata(
@@ -324,42 +361,22 @@ class ModelRunner:
             extend_lens_cpu=fixed.ones_cpu, max_seq_len=max_pos + 1, max_extend_len=1,
             rows_cpu=fixed.rows_cpu, shared=fixed.shared, own_start=fixed.own_start,
             own_start_cpu=fixed.own_start_cpu)
+        table_back = back_writes(back, dev)
+        write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
-                          fixed.arange)
-
-    def _write_table(self, rows: torch.Tensor, extend_lens: torch.Tensor,
-                     positions: torch.Tensor, out_slots: torch.Tensor,
-                     back: list[tuple[int, int, list[int]]]) -> None:
-        """slot_table[row, p] = slot for every token this batch computes (one scatter), and
-        for the older positions an entry asks for (a new row, or adopted tree pages)."""
-        table = self.pool.slot_table  # (max_reqs, max_model_len) int32
-        token_rows = rows if rows.numel() == positions.numel() else torch.repeat_interleave(
-            rows, extend_lens, output_size=positions.numel())  # (T,)
-        table[token_rows, positions] = out_slots.to(table.dtype)
-        if not back:
-            return
-        b_rows: list[int] = []
-        b_pos: list[int] = []
-        b_slots: list[int] = []
-        for row, start, slots in back:
-            b_rows += [row] * len(slots)
-            b_pos += range(start, start + len(slots))
-            b_slots += slots
-        dev = table.device
-        table[torch.tensor(b_rows, device=dev), torch.tensor(b_pos, device=dev)] = torch.tensor(
-            b_slots, dtype=table.dtype).to(dev, non_blocking=True)
+                          fixed.arange, table_back)
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
         key = self.graphs.key_for(batch) if self.graphs is not None else None
-        if self.graphs is not None and key is not None:
+        if self.tp_lead is not None:
+            logits = self.tp_lead.forward(inputs, self.forward_eager)
+        elif self.graphs is not None and key is not None:
             logits = self.graphs.forward(key, inputs)
         else:
-            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                        self.pool.k, self.pool.v, inputs.logit_rows,
-                                        self.kv_scales)
+            logits = self.forward_eager(inputs)
         if batch.rows is not None:  # a plain decode step: one token per running request
             return self.sampler.sample(logits, batch.rows.reqs,
                                        plain=batch.rows.plain_sampling)
@@ -368,3 +385,19 @@ class ModelRunner:
             return SampleResult([], [])
         drafts = [e.draft for e in picked] if batch.has_drafts else None
         return self.sampler.sample(logits, [e.req for e in picked], drafts)
+
+    def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
+        """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.pool.k,
+                                  self.pool.v, inputs.logit_rows, self.kv_scales)
+
+    def tp_stats(self) -> dict[str, Any]:
+        """Tensor parallelism's figures (empty without it); raises TPFailedError once a rank
+        died."""
+        return {} if self.tp_lead is None else self.tp_lead.stats()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them)."""
+        if self.tp_lead is not None:
+            self.tp_lead.close()
+            self.tp_lead = None

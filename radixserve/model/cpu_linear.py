@@ -97,7 +97,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: s
 
 
 class GatedMLP:
-    """residual + down(silu(gate(x)) * up(x)).
+    """residual + down(silu(gate(x)) * up(x)) (without the residual where it is None).
 
     Prepacked: gate and up are two GEMMs whose epilogues apply the silu and the product, and
     the residual add is down's epilogue: no (M, intermediate) temporaries beyond the two GEMM
@@ -129,7 +129,8 @@ class GatedMLP:
         assert self.gate_up is not None, "prepacked gate/up weights have no fused projection"
         return F.linear(x, self.gate_up)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """`residual` None: down's output alone (a tensor-parallel rank's partial sum)."""
         if self.gate_up_q is None and self.gate_up is None:
             lp = torch.ops.mkldnn._linear_pointwise
             act = lp(x, self.gate, None, "swish", [], "")  # silu(x @ gate.T): (M, inter)
@@ -137,4 +138,4 @@ class GatedMLP:
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (M, inter) each
             act = F.silu(gate) * up
-        return self.down.add_to(residual, act)
+        return self.down(act) if residual is None else self.down.add_to(residual, act)

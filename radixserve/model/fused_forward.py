@@ -3,6 +3,8 @@
 Owns: the order of one forward when the attention backend can attend over K/V stored by the
 model (attention/base.py's StoredKVAttention: the Triton backend), with the residual stream
 kept apart from the normalized activations as SGLang's fused_add_rmsnorm keeps it.
+Under tensor parallelism the model's collectives join in: an all-reduce after o_proj and down
+(before the residual add), the embedding's and the LM head's (llama.py's embed_tokens, logits).
 Does not know: requests, how the backend attends, the weights' layout (cpu_linear.py,
 quant.py). llama.py chooses this path; its own loop stays the CPU (and torch-backend) path.
 
@@ -33,7 +35,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, StoredKVAttention
 from radixserve.attention.kv_quant import KVScale
@@ -58,6 +59,10 @@ class FusedModel(Protocol):
     lm_head: Any  # Linear | Int8Linear: (N, hidden) -> (N, vocab)
     q_size: int
     scale: float
+    tp: Any  # TPComm | None: under tensor parallelism, the row-parallel all-reduces
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def logits(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
 def fused_forward(
@@ -75,7 +80,7 @@ def fused_forward(
     spec, layers = model.spec, model.layers
     eps, num_heads = spec.rms_norm_eps, spec.num_heads
     cos, sin = model.rotary.cos, model.rotary.sin  # (max_positions, head_dim) each
-    residual = F.embedding(input_ids, model.embed)  # (T, hidden), updated in place below
+    residual = model.embed_tokens(input_ids)  # (T, hidden), updated in place below
     x = rms_norm(residual, layers[0].input_norm, eps)  # (T, hidden)
     for i, layer in enumerate(layers):
         # The wrappers' argument checks cost as much host time as their launches: run them on
@@ -91,12 +96,16 @@ def fused_forward(
         attn = backend.attend(q, k_cache[i], v_cache[i], meta, model.scale,
                               kv_scale)  # (T, heads, D)
         x = layer.o_proj(attn.reshape(-1, model.q_size))  # (T, hidden)
+        if model.tp is not None:  # row-parallel: the ranks' partial sums
+            model.tp.all_reduce(x)
         fused_add_rmsnorm(x, residual, layer.post_norm, eps, check=check)
         x = layer.mlp.down(silu_mul(layer.mlp.gate_up_proj(x), check=check))  # (T, hidden)
+        if model.tp is not None:
+            model.tp.all_reduce(x)
         last = i + 1 == len(layers)
         next_norm = model.final_norm if last else layers[i + 1].input_norm
         fused_add_rmsnorm(x, residual, next_norm, eps, check=check or last)
     if logit_rows.shape[0] != x.shape[0]:
         x = x.index_select(0, logit_rows)  # (N, hidden): only the rows that sample
-    logits: torch.Tensor = model.lm_head(x)  # (N, vocab)
-    return logits.float()
+    logits: torch.Tensor = model.lm_head(x)  # (N, vocab, or the rank's vocabulary shard)
+    return model.logits(logits.float())

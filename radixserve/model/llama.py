@@ -8,6 +8,10 @@ for oneDNN on CPU) or quant.py's (int8).
 With a backend that attends over K/V the model stores (the Triton backend, i.e. CUDA), the
 forward runs as fused_forward.py's loop instead: RMSNorm with the residual add, RoPE with the
 KV store and SiLU * up as one kernel each (launch counts in that module's docstring).
+Tensor parallel (`tp`): built from one rank's shard (model/tp_shard.py), the forward adds the
+collectives: the vocabulary-parallel embedding's all-reduce, one all-reduce after each
+row-parallel projection (o_proj, down; rank 0 alone adds the residual, so the sum is the new
+residual on every rank) and the gather of the LM head's vocabulary shards to rank 0.
 Does not know: requests, the scheduler, sampling. Tokens of all requests are concatenated
 (no padding); the AttentionMetadata says which request each token belongs to.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +34,10 @@ from radixserve.model.norm_rope import load_norm_rope
 from radixserve.model.quant import Int8Linear
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import ModelWeights
+
+if TYPE_CHECKING:
+    from radixserve.model.tp_shard import TPShard
+    from radixserve.parallel.comm import TPComm
 
 
 @dataclass
@@ -63,8 +72,13 @@ class LlamaModel:
 
     def __init__(self, spec: ModelArch, weights: ModelWeights, rotary: RotaryTable,
                  backend: AttentionBackend, quantization: str | None = None,
-                 quantize_lm_head: bool = True, fused: bool | None = None) -> None:
+                 quantize_lm_head: bool = True, fused: bool | None = None,
+                 tp: TPComm | None = None, shard: TPShard | None = None) -> None:
+        """With `tp`: `spec` is the rank's own (shard.local_arch()), the weights its slices."""
         self.spec = spec
+        self.tp, self.shard = tp, shard
+        # The rank that adds the residual into a row-parallel projection's partial sum.
+        self.adds_residual = tp is None or tp.is_lead
         self.rotary = rotary
         self.backend = backend
         self.q_size = spec.num_heads * spec.head_dim
@@ -114,7 +128,7 @@ class LlamaModel:
                               logit_rows, kv_scales)
         spec, norm, rope = self.spec, self.ops.rms_norm, self.ops.rope_qk
         eps = spec.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # (T, hidden)
+        h = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary.lookup(positions)  # (T, head_dim) each, shared by layers
         num_qk_heads = spec.num_heads + spec.num_kv_heads
         qk_size = self.q_size + self.kv_size
@@ -125,8 +139,33 @@ class LlamaModel:
             v = qkv[:, qk_size:].view(-1, spec.num_kv_heads, spec.head_dim)
             attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale,
                                         None if kv_scales is None else kv_scales[i])
-            h = layer.o_proj.add_to(h, attn.reshape(-1, self.q_size))  # (T, hidden)
-            h = layer.mlp(norm(h, layer.post_norm, eps), h)
+            attn = attn.reshape(-1, self.q_size)  # (T, heads * head_dim)
+            if self.tp is None:
+                h = layer.o_proj.add_to(h, attn)  # (T, hidden)
+                h = layer.mlp(norm(h, layer.post_norm, eps), h)
+                continue
+            part = layer.o_proj.add_to(h, attn) if self.adds_residual else layer.o_proj(attn)
+            h = self.tp.all_reduce(part)  # (T, hidden): h + the sum of the ranks' partials
+            x = norm(h, layer.post_norm, eps)
+            h = self.tp.all_reduce(layer.mlp(x, h if self.adds_residual else None))
         if logit_rows.shape[0] != h.shape[0]:
             h = h.index_select(0, logit_rows)  # (N, hidden): only the rows that sample
-        return self.lm_head(norm(h, self.final_norm, eps)).float()  # (N, vocab)
+        return self.logits(self.lm_head(norm(h, self.final_norm, eps)).float())  # (N, vocab)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        assert self.shard is not None
+        start, end = self.shard.vocab_range
+        local = input_ids - start  # (T,)
+        outside = (input_ids < start) | (input_ids >= end)  # (T,) another rank's row
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)  # (T, hidden)
+        h.masked_fill_(outside.unsqueeze(1), 0.0)
+        return self.tp.all_reduce(h)  # exactly one rank contributes each row: no rounding
+
+    def logits(self, local: torch.Tensor) -> torch.Tensor:
+        """(N, vocab) float32: the LM head's output, or under TP on rank 0 the ranks' shards
+        gathered (the other ranks get their own shard back)."""
+        if self.tp is None:
+            return local
+        return self.tp.gather_vocab(local, self.spec.vocab_size)

@@ -1,13 +1,17 @@
 """Reading safetensors weights into the fused layout the forward pass uses.
 
 Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into gate_up),
-dtype/device placement and the loading progress bar. Does not know: the forward pass.
+dtype/device placement, the loading progress bar, and reading only a tensor-parallel rank's
+slices (tp_shard.py says which). Does not know: the forward pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -15,6 +19,9 @@ from tqdm import tqdm
 
 from radixserve.model.arch import ModelArch
 from radixserve.model_source import ModelLoadError
+
+if TYPE_CHECKING:
+    from radixserve.model.tp_shard import TPShard
 
 
 @dataclass
@@ -36,58 +43,97 @@ class ModelWeights:
     lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
 
 
-def _read_all(hf_dir: Path, show_progress: bool) -> dict[str, torch.Tensor]:
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{hf_dir}: no *.safetensors weights (only safetensors are loaded)")
-    tensors: dict[str, torch.Tensor] = {}
-    names: list[tuple[Path, str]] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            names.extend((f, k) for k in sf.keys())
-    bar = tqdm(total=len(names), desc="Loading weights", disable=not show_progress, leave=False)
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                name = key.removeprefix("model.")
-                tensors[name] = sf.get_tensor(key)
-                bar.update(1)
-    bar.close()
-    return tensors
+class _Checkpoint:
+    """The checkpoint's tensors by name (without the "model." prefix), read one at a time,
+    whole or one slice of rows/columns (a tensor-parallel rank reads only its shard)."""
+
+    def __init__(self, hf_dir: Path, stack: ExitStack) -> None:
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{hf_dir}: no *.safetensors weights (only safetensors are "
+                                 "loaded)")
+        self.hf_dir = hf_dir
+        self.where: dict[str, tuple[Any, str]] = {}  # name -> (open file, key)
+        for f in files:
+            sf = stack.enter_context(safe_open(str(f), framework="pt"))
+            self.where.update((k.removeprefix("model."), (sf, k)) for k in sf.keys())
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None
+             ) -> torch.Tensor:
+        if name not in self.where:
+            raise ModelLoadError(f"{self.hf_dir}: weight {name!r} missing from the checkpoint")
+        sf, key = self.where[name]
+        if rows is None and cols is None:
+            tensor: torch.Tensor = sf.get_tensor(key)
+            return tensor
+        part = sf.get_slice(key)
+        whole = slice(None)
+        sliced: torch.Tensor = part[rows or whole] if cols is None else part[rows or whole, cols]
+        return sliced
+
+
+def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if t.shape[0] == num_rows:
+        return t
+    return torch.cat([t, t.new_zeros(num_rows - t.shape[0], *t.shape[1:])])
 
 
 def load_weights(
     hf_dir: Path, spec: ModelArch, dtype: torch.dtype, device: torch.device,
-    show_progress: bool = True,
+    show_progress: bool = True, shard: TPShard | None = None,
 ) -> ModelWeights:
-    raw = _read_all(hf_dir, show_progress)
+    """The model's weights; with `shard`, only that tensor-parallel rank's slices
+    (model/tp_shard.py), the vocabulary shard padded to vocab_per_rank rows."""
+    with ExitStack() as stack:
+        ckpt = _Checkpoint(hf_dir, stack)
+        bar = stack.enter_context(tqdm(total=len(ckpt.where), desc="Loading weights",
+                                       disable=not show_progress, leave=False))
 
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise ModelLoadError(f"{hf_dir}: weight {name!r} missing from the checkpoint")
-        return raw.pop(name).to(device=device, dtype=dtype).contiguous()
+        def take(name: str, rows: slice | None = None, cols: slice | None = None
+                 ) -> torch.Tensor:
+            bar.update(1)
+            return ckpt.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
 
+        return _load(spec, take, shard, "lm_head.weight" in ckpt.where)
+
+
+Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor
+
+
+def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
+          ) -> ModelWeights:
+    q = kv = mlp = vocab = None
+    if shard is not None:
+        q, kv, mlp = shard.q_rows(), shard.kv_rows(), shard.mlp_rows()
+        vocab = slice(*shard.vocab_range)
     layers = []
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        rows = {"q": q, "k": kv, "v": kv}
+        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight", rows[n]) for n in "qkv"])
         bias = None
         if spec.qkv_bias:
-            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"])
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv,
                 qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight"),
+                o_proj=take(p + "self_attn.o_proj.weight", None, q),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight", mlp),
+                                   take(p + "mlp.up_proj.weight", mlp)]),
+                down=take(p + "mlp.down_proj.weight", None, mlp),
             )
         )
-    embed = take("embed_tokens.weight")
-    if spec.tie_word_embeddings or "lm_head.weight" not in raw:
+    embed = take("embed_tokens.weight", vocab)
+    if spec.tie_word_embeddings or not has_lm_head:
         lm_head = embed
     else:
-        lm_head = take("lm_head.weight")
+        lm_head = take("lm_head.weight", vocab)
+    if shard is not None:  # every rank's logits one shape: the last shard's padding is zeros
+        embed, lm_head = (_pad_rows(embed, shard.vocab_per_rank),
+                          _pad_rows(lm_head, shard.vocab_per_rank))
+        if spec.tie_word_embeddings or not has_lm_head:
+            lm_head = embed
     return ModelWeights(embed=embed, layers=layers, final_norm=take("norm.weight"), lm_head=lm_head)

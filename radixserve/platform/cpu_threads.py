@@ -46,8 +46,15 @@ def default_num_threads(cores: int | None = None) -> ThreadChoice:
     return ThreadChoice(n - 1, n, f"{n} usable cores, one left to the API process")
 
 
-def choose_num_threads(configured: int | None) -> ThreadChoice:
+def choose_num_threads(configured: int | None, num_ranks: int = 1) -> ThreadChoice:
+    """`num_ranks`: tensor-parallel ranks sharing this machine's cores; without
+    --num-threads each gets an equal share of the default (at least one thread)."""
     if configured:
         n = usable_cores()
         return ThreadChoice(configured, n, f"set by --num-threads; {n} usable cores")
-    return default_num_threads()
+    choice = default_num_threads()
+    if num_ranks == 1:
+        return choice
+    share = max(choice.num_threads // num_ranks, 1)
+    return ThreadChoice(share, choice.usable_cores,
+                        f"{choice.reason}, shared by {num_ranks} tensor-parallel ranks")

@@ -58,6 +58,12 @@ _ENGINE_GAUGES = {
     "spec_decode_mean_acceptance_length": (
         "spec_mean_acceptance_length", "Tokens kept per verified draft (1 + accepted / drafts), "
         "since start; 0 before the first draft."),
+    # Tensor parallelism (only with --tensor-parallel-size > 1)
+    "tensor_parallel_size": ("tp_size", "Tensor-parallel ranks the model is split over."),
+    "tp_collective_seconds": ("tp_collective_seconds", "Seconds rank 0 spent inside "
+                              "collectives (step broadcast, all-reduces, logits gather)."),
+    "tp_collective_ms_per_step": ("tp_collective_ms_per_step",
+                                  "Mean milliseconds of collectives per forward, since start."),
 }
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
