@@ -10,16 +10,13 @@ Does not know: the radix tree, queues, HTTP.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
+from radixserve.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.attention.cpu_kernels import load_paged_decode, load_prefill_attention
 from radixserve.attention.kv_quant import is_fp8, storage_dtype
 from radixserve.attention.torch_backend import TorchAttentionBackend
@@ -27,6 +24,7 @@ from radixserve.attention.varlen import token_offsets
 from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
+from radixserve.engine.decode_groups import DecodeFixed, shared_prefixes
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
 from radixserve.engine.tp_lead import TPLead, start_tp
@@ -40,8 +38,7 @@ from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
-from radixserve.sched.decode import DecodeRows
-from radixserve.sched.req import Batch, Req
+from radixserve.sched.req import Batch
 from radixserve.types import Phase
 
 logger = logging.getLogger(__name__)
@@ -79,60 +76,6 @@ def _choose_backend(name: str, device: torch.device) -> tuple[str, AttentionBack
     if device.type != "cpu":
         return name, TorchAttentionBackend()
     return name, TorchAttentionBackend(load_paged_decode(), load_prefill_attention())
-
-
-MIN_SHARED_PREFIX = 64  # shorter shared prefixes are cheaper to attend per request
-
-
-def find_shared_prefixes(reqs: list[Req]) -> list[tuple[list[int], int]]:
-    """Groups of batch indices whose first S slots are the same tree pages, with S.
-
-    Only tree-owned slots (req.slots[:num_tree_tokens]) are compared: they cannot change while
-    the request runs, and equal slots mean equal KV.
-    """
-    by_first: dict[int, list[int]] = {}
-    for b, r in enumerate(reqs):
-        if r.num_tree_tokens >= MIN_SHARED_PREFIX:
-            by_first.setdefault(r.slots[0], []).append(b)
-    groups = []
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        length = min(reqs[b].num_tree_tokens for b in members)
-        block = np.array([reqs[b].slots[:length] for b in members])  # (n, length)
-        same = (block == block[0]).all(axis=0)
-        if not same.all():
-            length = int(same.argmin())
-        if length >= MIN_SHARED_PREFIX:
-            groups.append((members, length))
-    return groups
-
-
-@dataclass(frozen=True)
-class _DecodeFixed:
-    """The inputs of a plain decode step that stay fixed while its running set does."""
-
-    rows: DecodeRows  # the scheduler's view these were built from
-    rows_t: torch.Tensor  # (B,) int64 table rows
-    ones: torch.Tensor  # (B,) int32: one new token each
-    ones_cpu: tuple[int, ...]
-    cu: torch.Tensor  # (B + 1,) int32 token offsets
-    arange: torch.Tensor  # (B,) int64: every token row samples
-    rows_cpu: tuple[int, ...]
-    shared: tuple[SharedPrefix, ...]  # tree pages do not change while a request decodes
-    own_start: torch.Tensor  # (B,) int64
-    own_start_cpu: tuple[int, ...]
-
-    @staticmethod
-    def build(rows: DecodeRows, runner: ModelRunner, dev: torch.device) -> _DecodeFixed:
-        n = len(rows.reqs)
-        shared, own_start = runner._shared_prefixes(rows.reqs)
-        return _DecodeFixed(
-            rows, torch.tensor(rows.rows, dtype=torch.int64, device=dev),
-            torch.ones(n, dtype=torch.int32, device=dev), (1,) * n,
-            torch.arange(n + 1, dtype=torch.int32, device=dev),
-            torch.arange(n, dtype=torch.int64, device=dev), tuple(rows.rows), tuple(shared),
-            torch.tensor(own_start, dtype=torch.int64, device=dev), tuple(own_start))
 
 
 class ModelRunner:
@@ -199,7 +142,7 @@ class ModelRunner:
         self._log_pool()
         self.kv_scales = self.pool.layer_scales()
         self.sampler = Sampler(self.eos_token_ids, cfg.seed, self.device)
-        self._decode_fixed: _DecodeFixed | None = None  # of the last plain decode step
+        self._decode_fixed: DecodeFixed | None = None  # of the last plain decode step
         # Last: the graphs read the pool's tensors and replay the model as it now is.
         if self.tp is not None:
             logger.info("CUDA graphs: not used (tensor parallelism runs eagerly)")
@@ -284,7 +227,8 @@ class ModelRunner:
         extend_t = torch.tensor(extend_lens, dtype=torch.int32, device=dev)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         out_slots_t = torch.tensor(out_slots, dtype=torch.int64, device=dev)
-        shared, own_start = self._shared_prefixes(reqs)
+        shared, own_start = shared_prefixes(
+            reqs, self.model.backend.reads_shared_prefixes, self.device)
         # Verifying drafts is a prefill over a cached prefix, not a one-token decode.
         phase = Phase.PREFILL if batch.phase is Phase.DECODE and batch.has_drafts else batch.phase
         meta = AttentionMetadata(
@@ -315,26 +259,6 @@ class ModelRunner:
             table_back=table_back,
         )
 
-    def _shared_prefixes(self, reqs: list[Req]) -> tuple[list[SharedPrefix], list[int]]:
-        """The batch's groups of requests over the same tree pages, and where each request's
-        own part starts (0 outside any group); none for a backend that would not read them."""
-        dev = self.device
-        shared: list[SharedPrefix] = []
-        own_start = [0] * len(reqs)
-        if len(reqs) > 1 and self.model.backend.reads_shared_prefixes:
-            for members, length in find_shared_prefixes(reqs):
-                slots = reqs[members[0]].slots[:length]
-                consecutive = slots[-1] - slots[0] == length - 1 and all(
-                    b - a == 1 for a, b in itertools.pairwise(slots))
-                shared.append(SharedPrefix(
-                    members=torch.tensor(members, dtype=torch.int64, device=dev),
-                    slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-                    length=length, members_cpu=tuple(members),
-                    first_slot=slots[0] if consecutive else None))
-                for b in members:
-                    own_start[b] = length
-        return shared, own_start
-
     def _prepare_decode(self, batch: Batch) -> StepInputs:
         """A plain decode step: one token per running request. What stays fixed while the
         running set does (rows, offsets, shared prefixes) is built once per set (DecodeRows)
@@ -343,7 +267,8 @@ class ModelRunner:
         assert rows is not None and pos is not None
         fixed = self._decode_fixed
         if fixed is None or fixed.rows is not rows:
-            fixed = self._decode_fixed = _DecodeFixed.build(rows, self, self.device)
+            fixed = self._decode_fixed = DecodeFixed.build(
+                rows, self.model.backend.reads_shared_prefixes, self.device)
         reqs = rows.reqs
         dev = self.device
         ids = [r.token_ids[p] for r, p in zip(reqs, pos, strict=True)]
