@@ -75,8 +75,12 @@ def test_tier_restart_flags_and_stats() -> None:
 
     args = parse_args(["--kv-cache-tokens", "1024", "--radixserve-args", "--max-model-len 512"])
     argv = server_argv(args, "--kv-offload-dir", "/d")
-    assert argv[-6:] == ("--kv-cache-tokens", "1024", "--max-model-len", "512",
-                         "--kv-offload-dir", "/d")
+    assert argv[-8:] == ("--kv-cache-tokens", "1024",
+                         "--kv-offload-shutdown-timeout", str(args.shutdown_timeout),
+                         "--max-model-len", "512", "--kv-offload-dir", "/d")
+    by_bytes = server_argv(parse_args(["--kv-cache-memory-bytes", "2G"]))
+    assert by_bytes[-4:-2] == ("--kv-cache-memory-bytes", "2G")
+    assert "--kv-cache-tokens" not in by_bytes
     with pytest.raises(SystemExit):
         parse_args(["--turns", "1"])
     sessions = [Session(("a", "ab"), (100, 200)), Session(("c", "cd"), (50, 80))]
