@@ -47,7 +47,7 @@ def _modules() -> dict[str, ModuleType]:
         # The device test asks whether the kernel is interpreted, which a stand-in is not; on
         # CUDA it is one string compare. The module's own global (bound by its `from
         # triton_kernels._common import`) is what its wrappers call, so that is the one replaced.
-        setattr(mods[name], "check_launchable", _launchable_anywhere)
+        vars(mods[name])["check_launchable"] = _launchable_anywhere
     return mods
 
 
