@@ -154,7 +154,7 @@ def spawn(args: argparse.Namespace, source: Path) -> dict[str, Any]:
 
 
 def _median(runs: list[dict[str, Any]], key: str, item: str, i: int | None = None) -> float:
-    return statistics.median(r[key][item] if i is None else r[key][item][i] for r in runs)
+    return float(statistics.median(r[key][item] if i is None else r[key][item][i] for r in runs))
 
 
 def report(label: str, runs: list[dict[str, Any]]) -> list[str]:

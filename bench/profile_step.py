@@ -181,7 +181,10 @@ def table(rows: list[list[str]]) -> str:
     header = ["config"] + [f"{s} {c}" for s in SCENARIOS
                            for c in ("tok/s", "decode ms", "prefill ms")]
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-    line = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
