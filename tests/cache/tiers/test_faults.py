@@ -23,7 +23,7 @@ from radixserve.cache.tiers.block_loader import LOAD_WORKERS
 from radixserve.cache.tiers.kv_tiers import shared_namespace
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.kv_events.publisher import block_hashes
-from tests.cache.tiers.test_engine import GREEDY, make_llm, prompts, run
+from tests.cache.tiers.engine_runs import GREEDY, make_llm, prompts, run
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cache.tiers.test_engine import prompts, run
+from tests.cache.tiers.engine_runs import prompts, run
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def test_cuda_chooses_the_host_tier_and_not_a_slow_disk(tier_model: Path, tmp_pa
     from radixserve import LLM
     from radixserve.cache.tiers import BlockStore, Tier
     from radixserve.cache.tiers.layered_store import LayeredStore
-    from tests.cache.tiers.test_engine import warm_choice
+    from tests.cache.tiers.engine_runs import warm_choice
 
     def make(root: Path, host_gib: float) -> LLM:
         return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=4096,
