@@ -11,6 +11,7 @@ know: what any test asserts beyond the pool being empty after a run.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-def make_llm(model: Path, **kw: object) -> LLM:
+def make_llm(model: Path, **kw: Any) -> LLM:
     kw.setdefault("kv_cache_tokens", POOL)
     kw.setdefault("max_model_len", 512)
     return LLM(model=str(model), dtype="float32", **kw)

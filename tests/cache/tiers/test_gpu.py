@@ -4,6 +4,7 @@ own stream. Greedy tokens identical with tiers off, on, and after a restart (nee
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_tiers_keep_greedy_tokens(tier_model: Path, tmp_path: Path) -> None:
     from radixserve import LLM
 
-    def make(**kw: object) -> LLM:
+    def make(**kw: Any) -> LLM:
         return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=600,
                    max_model_len=512, **kw)
 
