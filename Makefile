@@ -29,7 +29,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check radixserve triton_kernels router bench tests
-	$(BIN)/mypy radixserve triton_kernels router
+	$(BIN)/mypy radixserve triton_kernels router bench
 	$(BIN)/lint-imports
 
 bench: setup

@@ -89,7 +89,7 @@ def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], pool: Pool,
     t = clock()
     out = torch.empty(0)
     for i in range(pool.k.shape[0]):
-        q, kn, vn = qkv[i].split([HQ, HKV, HKV], dim=1)
+        q, kn, vn = torch.split(qkv[i], [HQ, HKV, HKV], dim=1)  # Tensor.split is unannotated
         out = backend.forward(q, kn, vn, pool.k[i], pool.v[i], meta, D**-0.5, pool.scales[i])
     return clock() - t, out
 

@@ -61,13 +61,15 @@ def measure_hbm_gbps() -> float:
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # torch.cuda.Event.__new__ is unannotated.
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
     for _ in range(10):
         dst.copy_(src)
     end.record()
     torch.cuda.synchronize()
-    return 2 * n * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+    return 2 * n * 10 / (float(start.elapsed_time(end)) / 1e3) / 1e9
 
 
 def free_cuda() -> None:
@@ -123,7 +125,10 @@ def run_hf(path: Path, args: argparse.Namespace, vocab: int) -> dict[int, float]
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    # PreTrainedModel.cuda is @wraps(nn.Module.cuda); typeshed's _Wrapped is no descriptor, so
+    # mypy wants `self` passed again.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = model.cuda().eval()  # type: ignore[call-arg]
     rates: dict[int, float] = {}
 
     def gen(batch: int, new: int, seed: int) -> None:

@@ -17,6 +17,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -41,6 +42,10 @@ def timed(fn: Callable[[], int], runs: int) -> tuple[float, float]:
     return statistics.median(rates), statistics.median(secs)
 
 
+def generated_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> int:
+    return sum(len(r.token_ids) for r in llm.generate(prompts, params))
+
+
 def hf_generate(model_dir: str, dtype: torch.dtype) -> Callable[[list[list[int]], int], int]:
     from transformers import AutoModelForCausalLM
 
@@ -54,7 +59,7 @@ def hf_generate(model_dir: str, dtype: torch.dtype) -> Callable[[list[list[int]]
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=pad)
-        return (out.shape[1] - width) * len(prompts)
+        return int(out.shape[1] - width) * len(prompts)
 
     return run
 
@@ -79,9 +84,8 @@ def _compare_dtype(model: str, hf_dir: str, dtype: str, runs: int, out_len: int,
     rows = []
     # HF runs "1 prompt" alone and "32 mixed" as one left-padded batch of 32.
     for name, prompts in (("1 prompt", single), ("32 mixed", mixed)):
-        ours, _ = timed(lambda p=prompts: sum(len(r.token_ids) for r in llm.generate(p, params)),
-                        runs)
-        theirs, _ = timed(lambda p=prompts: hf(p, out_len), runs)
+        ours, _ = timed(partial(generated_tokens, llm, prompts, params), runs)
+        theirs, _ = timed(partial(hf, prompts, out_len), runs)
         rows.append([dtype, name, f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"])
     return rows
 
@@ -116,7 +120,10 @@ def section_shared(model: str, dtype: str, runs: int, groups: int, per_group: in
 
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-    line = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))
+
+    def line(r: list[str]) -> str:
+        return "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 

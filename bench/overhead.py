@@ -146,15 +146,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def spawn(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(source))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model,
+    # -P: bench/ off sys.path, else bench/kernels.py shadows the `kernels` package that
+    # transformers imports.
+    cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--model", args.model,
            "--device", args.device, "--batches", args.batches, "--admit", args.admit,
            "--steps", str(args.steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=source)
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def _median(runs: list[dict[str, Any]], key: str, item: str, i: int | None = None) -> float:
-    return statistics.median(r[key][item] if i is None else r[key][item][i] for r in runs)
+    return float(statistics.median(r[key][item] if i is None else r[key][item][i] for r in runs))
 
 
 def report(label: str, runs: list[dict[str, Any]]) -> list[str]:

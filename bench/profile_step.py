@@ -160,12 +160,15 @@ def count_ops(args: argparse.Namespace) -> None:
 
 def spawn(args: argparse.Namespace, source: Path, threads: int) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(source))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--threads", str(threads),
+    # -P: bench/ off sys.path, else bench/kernels.py shadows the `kernels` package that
+    # transformers imports.
+    cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--threads", str(threads),
            "--rounds", "1", "--model", args.model, "--dtype", args.dtype,
            "--num-reqs", str(args.num_reqs), "--system-len", str(args.system_len),
            "--question-len", str(args.question_len), "--output-len", str(args.output_len)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=source)
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def fmt_row(label: str, r: dict[str, Any]) -> list[str]:
@@ -181,7 +184,10 @@ def table(rows: list[list[str]]) -> str:
     header = ["config"] + [f"{s} {c}" for s in SCENARIOS
                            for c in ("tok/s", "decode ms", "prefill ms")]
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-    line = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 

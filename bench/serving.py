@@ -23,17 +23,15 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.common.client import (  # noqa: F401  (re-exported: the public API of bench.serving)
+from bench.common.client import (
     BenchError,
     BenchRun,
     ClientConfig,
     Endpoint,
-    arrival_delays,
     fetch_model,
     jsonable,
     run_all,
     scrape_metrics,
-    send_request,
     warm_up,
 )
 from bench.common.metrics import (

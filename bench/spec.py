@@ -31,9 +31,10 @@ from typing import Any
 import aiohttp
 
 from bench.common import spec_workloads as w
+from bench.common.client import BenchError
 from bench.common.metrics import parse_prometheus
 from bench.common.server_process import ServerProcess, SystemSpec
-from bench.serving import BenchError, run_cli, write_json
+from bench.serving import run_cli, write_json
 
 OFF, ON = "off", "spec"
 DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '

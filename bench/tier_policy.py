@@ -46,7 +46,7 @@ def trace(args: argparse.Namespace, seed: int) -> list[list[list[int]]]:
     """rounds[t][s]: session s's prompt at turn t (system + its growing history)."""
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(100, 40000, (args.system_len,), generator=g).tolist()
-    histories = [[] for _ in range(args.sessions)]
+    histories: list[list[int]] = [[] for _ in range(args.sessions)]
     rounds = []
     for _ in range(args.turns):
         for h in histories:

@@ -71,8 +71,10 @@ def save_tokenizer(path: Path, vocab: int) -> None:
     words = {EOS: 0, **{f"t{i}": i for i in range(1, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS).save_pretrained(
-        path)
+    # transformers leaves the fast tokenizer's __init__ unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.save_pretrained(path)
 
 
 def save_model(shape: LlamaShape, path: Path, max_positions: int, device: str = "cuda") -> Path:
@@ -89,7 +91,9 @@ def save_model(shape: LlamaShape, path: Path, max_positions: int, device: str = 
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        # PreTrainedModel.to is @wraps(nn.Module.to); typeshed's _Wrapped is no descriptor, so
+        # mypy wants `self` again and takes the dtype for it.
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(path, safe_serialization=True)
     save_tokenizer(path, shape.vocab)
     return path

@@ -80,8 +80,7 @@ def start_decoding(llm: LLM, batch: int, input_len: int, max_tokens: int, vocab:
 def profile_decode(llm: LLM, batch: int, input_len: int, steps: int, vocab: int,
                    seed: int) -> StepProfile:
     import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import DeviceType, ProfilerActivity, profile, record_function
 
     engine = llm.engine
     start_decoding(llm, batch, input_len, 2 * steps + 4, vocab, seed)

@@ -67,7 +67,7 @@ class RadixCache(Offloading):
 
     def __init__(
         self, page_size: int = 1, disabled: bool = False,
-        on_event: Callable[[CacheEvent], None] | None = None,
+        on_event: Callable[[CacheEvent], object] | None = None,  # its result is ignored
         eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
         tenant_quota_tokens: int | None = None,
         tiers: TierHooks | None = None, pool_medium: str | None = None,

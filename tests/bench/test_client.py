@@ -13,6 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from bench.common.client import ClientConfig, Endpoint, arrival_delays
 from bench.common.workloads import (
     BenchRequest,
     Conversation,
@@ -21,7 +22,7 @@ from bench.common.workloads import (
     Workload,
     WorkloadKind,
 )
-from bench.serving import ClientConfig, Endpoint, arrival_delays, run_benchmark
+from bench.serving import run_benchmark
 
 TTFT, ITL = 0.12, 0.04
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.common.client import BenchError
 from bench.common.compare_report import FIGURES, format_table, median_figures
 from bench.common.metrics import RequestResult, summarize
 from bench.common.server_process import ServerProcess, SystemSpec
 from bench.compare import main
-from bench.serving import BenchError
 
 
 def _summary(ttft: float, n_tokens: int, duration: float, cached: int) -> object:

@@ -11,9 +11,10 @@ import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM
 
+from bench.common.client import ClientConfig
 from bench.common.workloads import SharedPrefixSpec, build_workload
 from bench.hf_server import HFGenerator, HFServerConfig, Mode, create_app
-from bench.serving import ClientConfig, run_benchmark
+from bench.serving import run_benchmark
 from radixserve.tokenizer import encode_prompt, load_tokenizer
 
 

@@ -216,8 +216,7 @@ def test_publisher_follows_a_real_radix_cache(page_size: int) -> None:
     from radixserve.cache.radix_cache import RadixCache
 
     pub = KVEventPublisher(block_size=4)
-    cache = RadixCache(page_size=page_size,
-                                   on_event=lambda ev: pub.publish([ev]))
+    cache = RadixCache(page_size=page_size, on_event=lambda ev: pub.publish([ev]))
     rng = random.Random(page_size)
     inserts = RandomInserts(cache, page_size, rng)
     for step in range(300):

@@ -9,51 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from radixserve import LLM
 from radixserve.cache.tiers import BlockStore, Tier
-from radixserve.ipc.messages import GenerateMsg
-from radixserve.types import SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-POOL = 600  # tokens: a few prompts fill it, so sessions are evicted between their turns
-
-
-def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [[i + 3] + torch.randint(3, 250, (length - 1,), generator=g).tolist()
-            for i in range(n)]
-
-
-def make_llm(model: Path, **kw: object) -> LLM:
-    kw.setdefault("kv_cache_tokens", POOL)
-    kw.setdefault("max_model_len", 512)
-    return LLM(model=str(model), dtype="float32", **kw)
-
-
-def run(llm: LLM, batch: list[list[int]], salt: str = "", params: SamplingParams = GREEDY,
-        check: bool = True) -> tuple[list[list[int]], list[int]]:
-    """Run prompts one after another (each evicts the previous ones from a small pool),
-    checking the page invariant after every step (`check`: a slow disk makes the stores'
-    recount slow); tokens and cached-token counts."""
-    engine = llm.engine
-    outs, cached = [], []
-    for i, p in enumerate(batch):
-        rid = f"{salt}-{i}-{len(engine.timings)}"
-        engine.add_request(GenerateMsg(rid, p, params, salt))
-        toks: list[int] = []
-        while engine.has_work():
-            for o in engine.step():
-                if o.token_id is not None:
-                    toks.append(o.token_id)
-                if o.finish_reason is not None:
-                    cached.append(o.num_cached_tokens)
-            if check:
-                engine.check_integrity()
-        outs.append(toks)
-    assert llm.kv_stats()["kv_held_tokens"] == 0
-    return outs, cached
+from tests.cache.tiers.engine_runs import make_llm, prompts, run, warm_choice
 
 
 def test_tokens_identical_with_tiers_off_and_on(tier_model: Path, tmp_path: Path) -> None:
@@ -145,15 +103,6 @@ def test_tiers_need_the_radix_cache_and_block_aligned_pages(tier_model: Path, tm
         make_llm(tier_model, page_size=3, **{flag: tmp_path})
     with pytest.raises(ConfigError, match="disable-radix-cache"):
         make_llm(tier_model, disable_radix_cache=True, **{flag: tmp_path})
-
-
-def warm_choice(llm: LLM, batch: list[list[int]]) -> None:
-    """Compute prompts of varied lengths cold (the engine's prefill timings fit its cost
-    model), then demote the pool into the local tier."""
-    shapes = prompts(8, 64, seed=9) + [p[:n] for p, n in zip(prompts(4, 512, seed=10),
-                                                               (96, 200, 350, 480), strict=True)]
-    run(llm, shapes + batch)
-    assert llm.engine.flush_cache()
 
 
 def test_the_local_tier_is_chosen_over_recompute_from_256_tokens(tier_model: Path,

@@ -23,7 +23,7 @@ from radixserve.cache.tiers.block_loader import LOAD_WORKERS
 from radixserve.cache.tiers.kv_tiers import shared_namespace
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.kv_events.publisher import block_hashes
-from tests.cache.tiers.test_engine import GREEDY, make_llm, prompts, run
+from tests.cache.tiers.engine_runs import GREEDY, make_llm, prompts, run
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_two_writers_of_one_block(tier_model: Path, tmp_path: Path, batch: list[
     assert outs == reference[:1] and cached[0] >= 12 * BLOCK
     tiers = c.engine.tiers
     assert tiers is not None
-    tiers.stores[Tier.SHARED].check_integrity()  # type: ignore[attr-defined]
+    tiers.stores[Tier.SHARED].check_integrity()
     for llm in (a, b, c):
         llm.close()
 
@@ -209,5 +209,5 @@ def test_a_writer_killed_mid_write_leaves_no_wrong_block(tier_model: Path, tmp_p
     assert outs == reference
     tiers = llm.engine.tiers
     assert tiers is not None
-    tiers.stores[Tier.SHARED].check_integrity()  # type: ignore[attr-defined]
+    tiers.stores[Tier.SHARED].check_integrity()
     llm.close()

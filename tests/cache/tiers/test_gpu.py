@@ -4,10 +4,11 @@ own stream. Greedy tokens identical with tiers off, on, and after a restart (nee
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.cache.tiers.test_engine import prompts, run
+from tests.cache.tiers.engine_runs import prompts, run
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_tiers_keep_greedy_tokens(tier_model: Path, tmp_path: Path) -> None:
     from radixserve import LLM
 
-    def make(**kw: object) -> LLM:
+    def make(**kw: Any) -> LLM:
         return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=600,
                    max_model_len=512, **kw)
 
@@ -40,7 +41,7 @@ def test_cuda_chooses_the_host_tier_and_not_a_slow_disk(tier_model: Path, tmp_pa
     from radixserve import LLM
     from radixserve.cache.tiers import BlockStore, Tier
     from radixserve.cache.tiers.layered_store import LayeredStore
-    from tests.cache.tiers.test_engine import warm_choice
+    from tests.cache.tiers.engine_runs import warm_choice
 
     def make(root: Path, host_gib: float) -> LLM:
         return LLM(model=str(tier_model), dtype="float32", device="cuda", kv_cache_tokens=4096,

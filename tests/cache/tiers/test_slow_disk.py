@@ -12,7 +12,7 @@ from radixserve import LLM
 from radixserve.cache.tiers import BlockStore
 from radixserve.cache.tiers.tier_report import STEP_WAIT_BUCKETS
 from radixserve.ipc.messages import GenerateMsg
-from tests.cache.tiers.test_engine import GREEDY, make_llm, prompts
+from tests.cache.tiers.engine_runs import GREEDY, make_llm, prompts
 
 DELAY_S = 0.05
 
