@@ -8,6 +8,7 @@ a ChatML chat template, so chat, streaming and UTF-8 handling are all real.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,6 +17,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -35,7 +37,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: untyped
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         bos_token=None,
@@ -57,7 +59,7 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 1024,
     seed: int = 0,
-    rope_scaling: dict | None = None,
+    rope_scaling: dict[str, Any] | None = None,
     vocab_size: int | None = None,
 ) -> Path:
     """Save a random model of `arch` ("llama" | "qwen2" | "mistral") with our tokenizer.
@@ -82,7 +84,7 @@ def make_tiny_model(
     if arch == "llama":
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "mistral":

@@ -71,7 +71,14 @@ def test_system_flags_and_report(tmp_path: Path) -> None:
 def test_tier_restart_flags_and_stats() -> None:
     from bench.common.metrics import RequestResult
     from bench.common.tier_workloads import Session
-    from bench.tier_restart import TurnStats, parse_args, report, server_argv, turn_stats
+    from bench.tier_restart import (
+        Shutdown,
+        TurnStats,
+        parse_args,
+        report,
+        server_argv,
+        turn_stats,
+    )
 
     args = parse_args(["--kv-cache-tokens", "1024", "--radixserve-args", "--max-model-len 512"])
     argv = server_argv(args, "--kv-offload-dir", "/d")
@@ -96,7 +103,23 @@ def test_tier_restart_flags_and_stats() -> None:
     assert (s.same_text, s.failed, s.ttft_p90) == (1, 0, 1.0)
     failed = turn_stats([res(0, "", 0.1, ok=False), warm[1]], sessions, cold)
     assert (failed.failed, failed.same_text) == (1, 0)
-    table = report([{"cold": turn_stats(cold, sessions, None), "restart": s, "replica": s}], 2)
+    runs = [{"cold": turn_stats(cold, sessions, None), "restart": s, "replica": s}]
+    down = Shutdown(seconds=24.2, persist_s=21.5, dropped=0, local_bytes=2 * 2**30)
+    table = report(runs, [down], 2)
+    assert "2 sessions; the first server's clean stop: 24.2 s (pool written in 21.5 s)" in table
+    assert "0 block writes dropped, local tier 2.00 GiB" in table
     assert "| restart | 0.5 | 1 | 0.960 | 0.960 | 1/2 | 0 |" in table
     assert "TTFT p50 cold/restart: 4.00x" in table
     assert isinstance(s, TurnStats)
+
+
+def test_tier_restart_reads_the_shutdown_from_the_log(tmp_path: Path) -> None:
+    from bench.tier_restart import shutdown_stats
+
+    log, local = tmp_path / "server.log", tmp_path / "local"
+    local.mkdir()
+    (local / "a.kvb").write_bytes(b"x" * 10)
+    log.write_text("KV tiers: 3 block writes not done\n"
+                   "KV tiers: every pending block written in 9.5 s\n")
+    down = shutdown_stats(1.5, log, local)
+    assert (down.seconds, down.persist_s, down.dropped, down.local_bytes) == (1.5, 9.5, 3, 10)
