@@ -70,7 +70,9 @@ def first_line(path: Path) -> str:
 def _children(package: Path) -> tuple[list[Path], list[Path]]:
     """A package's modules (its __init__.py aside) and subpackages, by name."""
     modules = sorted(p for p in package.glob("*.py") if p.name != "__init__.py")
-    packages = sorted(p for p in package.iterdir() if p.is_dir() and p.name not in SKIP_DIRS)
+    # A folder without Python in it (bench/results/, written by the benches) is data, not code.
+    packages = sorted(p for p in package.iterdir() if p.is_dir() and p.name not in SKIP_DIRS
+                      and any(p.rglob("*.py")))
     for sub in packages:
         if not (sub / "__init__.py").is_file():
             raise LayoutError(f"{_shown(sub)}/ is no package (no __init__.py)")

@@ -81,6 +81,18 @@ def test_a_module_without_docstring_or_a_missing_read_first_file_fails(
         layout_map.layout_map(tree_copy)
 
 
+def test_a_data_folder_is_skipped_and_code_without_init_fails(tree_copy: Path) -> None:
+    results = tree_copy / "bench" / "results"
+    results.mkdir(exist_ok=True)
+    (results / "run.json").write_text("{}")
+    assert _section(tree_copy) == layout_map.layout_map(tree_copy)
+    loose = tree_copy / "router" / "loose"
+    loose.mkdir()
+    (loose / "mod.py").write_text('"""Loose: a module outside any package."""\n')
+    with pytest.raises(LayoutError, match="loose/ is no package"):
+        layout_map.layout_map(tree_copy)
+
+
 def test_markers_must_each_appear_once() -> None:
     with pytest.raises(LayoutError):
         layout_map.readme_section(f"{LAYOUT_BEGIN}\nx\n")
