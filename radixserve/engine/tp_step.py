@@ -66,30 +66,33 @@ class _Reader:
         self.at += n
         return values
 
+    def both(self, n: int) -> tuple[torch.Tensor, list[int]]:
+        """The next n values on the device and as ints (a worker needs both forms)."""
+        return self.dev[self.at : self.at + n], self.ints(n)
+
 
 def unpack_step(payload: torch.Tensor, slot_table: torch.Tensor) -> StepInputs:
     """A worker: the StepInputs rank 0 packed, over this rank's own slot table."""
     r = _Reader(payload)
     phase, max_seq, max_extend, b, t, n, w, g = r.ints(_NUM_COUNTS)
     groups = [r.ints(_GROUP_LEN) for _ in range(g)]
-    per_req = r.take(4 * b).view(4, b)  # rows, prefix_lens, extend_lens, own_start
-    r.at -= 4 * b
-    rows, prefix, extend, own = (r.ints(b) for _ in range(4))
-    prefix_t, extend_t = per_req[1].to(torch.int32), per_req[2].to(torch.int32)
+    per_req_t, per_req = r.both(4 * b)  # rows, prefix_lens, extend_lens, own_start
+    per_req_t = per_req_t.view(4, b)
+    rows, prefix, extend, own = (per_req[i * b : (i + 1) * b] for i in range(4))
+    prefix_t, extend_t = per_req_t[1].to(torch.int32), per_req_t[2].to(torch.int32)
     input_ids, positions, out_slots, logit_rows = r.take(t), r.take(t), r.take(t), r.take(n)
     back = r.take(3 * w).view(3, w) if w else None
     shared = []
     for num_members, length, has_first, first in groups:
-        members = r.ints(num_members)
-        members_t = r.dev[r.at - num_members : r.at]
+        members_t, members = r.both(num_members)
         shared.append(SharedPrefix(members_t, r.take(length), length, tuple(members),
                                    first if has_first else None))
     cu = torch.zeros(b + 1, dtype=torch.int32, device=payload.device)
     cu[1:] = torch.cumsum(extend_t, 0)
     meta = AttentionMetadata(
-        phase=_PHASES[phase], slot_table=slot_table, rows=per_req[0], prefix_lens=prefix_t,
+        phase=_PHASES[phase], slot_table=slot_table, rows=per_req_t[0], prefix_lens=prefix_t,
         extend_lens=extend_t, seq_lens=prefix_t + extend_t, cu_extend=cu, out_slots=out_slots,
         prefix_lens_cpu=tuple(prefix), extend_lens_cpu=tuple(extend), max_seq_len=max_seq,
         max_extend_len=max_extend, rows_cpu=tuple(rows), shared=tuple(shared),
-        own_start=per_req[3], own_start_cpu=tuple(own))
+        own_start=per_req_t[3], own_start_cpu=tuple(own))
     return StepInputs(input_ids, positions, meta, logit_rows, back)
