@@ -28,7 +28,9 @@ using radixserve_bf16::bf16_t;
 using radixserve_bf16::ld;
 using radixserve_bf16::st;
 using radixserve_fp8::Format;
+#if RS_FP8_AVX512  // vec_math.h declares radixserve_vec only under __AVX512F__
 using radixserve_vec::sum16;
+#endif
 
 // decode_one over an 8-bit pool: each slot's K (then V) row, all KV heads, converted to fp32
 // in L1 once for the whole group of query heads; K's scale folded into q, V's into the output.
