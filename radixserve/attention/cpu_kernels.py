@@ -16,10 +16,12 @@ the caller keeps its torch path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,6 +49,8 @@ LDFLAGS = ["-fopenmp"]
 # Loading a cached build takes well under this; longer means torch recompiled it.
 REBUILD_NOTICE_S = 5.0
 ENV_DISABLE = "RADIXSERVE_NO_CPU_KERNELS"  # "1": skip the native kernels (the torch path)
+# "1": build even where an earlier build with the same sources, flags and compiler failed
+ENV_RETRY = "RADIXSERVE_RETRY_CPU_BUILD"
 # "1": the 8-bit decode kernel keeps its AVX512-BF16 path on an AMX CPU (read once per process by
 # csrc/paged_decode_fp8_amx.cpp; to compare or test the two paths)
 ENV_NO_AMX = "RADIXSERVE_NO_AMX"
@@ -99,15 +103,77 @@ def cached_build(full_name: str) -> Path | None:
     return library if library.is_file() else None
 
 
-def build_extension(name: str, sources: Sequence[Path], what: str,
-                    cflags: Sequence[str] = tuple(CFLAGS)) -> bool:
+def _compiler() -> Path | None:
+    """The C++ compiler torch's loader runs ($CXX, else c++), resolved; None if not found."""
+    found = shutil.which(os.environ.get("CXX") or "c++")
+    return Path(found).resolve() if found else None
+
+
+def build_key(full_name: str, sources: Sequence[Path], cflags: Sequence[str]) -> str:
+    """What a build's outcome depends on: the sources and every header beside them, the flags
+    and the compiler (its path, size and mtime: not `--version`, whose run a broken compiler
+    could make as slow as the build)."""
+    digest = hashlib.sha256(full_name.encode())
+    folders = sorted({s.parent for s in sources})
+    for path in [*sources, *sorted(h for d in folders for h in d.glob("*.h"))]:
+        digest.update(path.name.encode())
+        with contextlib.suppress(OSError):  # a missing source: the build reports it
+            digest.update(path.read_bytes())
+    digest.update(" ".join([*cflags, *LDFLAGS]).encode())
+    cxx = _compiler()
+    if cxx is not None:
+        st = cxx.stat()
+        digest.update(f"{cxx}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def failure_marker(full_name: str, key: str) -> Path:
+    """Where a failed build of `full_name` with `key` is remembered across processes."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / "radixserve-failed-builds" / f"{full_name}-{key}.txt"
+
+
+def first_error_line(message: str) -> str:
+    """The compiler's first `error:` line in a failed build's output, else its first line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:
+        if "error:" in line or "Error:" in line:
+            return line[:300]
+    return lines[0][:300] if lines else "no output"
+
+
+def _remember_failure(marker: Path, first_error: str) -> None:
+    """Write the marker atomically (another process may be reading it)."""
+    with contextlib.suppress(OSError):
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(first_error + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+
+
+@functools.cache
+def build_extension(name: str, sources: tuple[Path, ...], what: str,
+                    cflags: tuple[str, ...] = tuple(CFLAGS)) -> bool:
     """Build (or load the cached build of) a C++ extension registering torch ops; False, with
     one warning naming `what`, when that fails (the caller keeps its torch path).
 
-    A build (the first start on a machine, or after a kernel changed) is logged before and
-    after, with its duration: it runs while the weights load and would otherwise look like a
-    hang."""
+    The outcome is remembered in the process (functools.cache) and a failure also on disk
+    (failure_marker: per sources, headers, flags and compiler), so a broken toolchain costs
+    one compile per machine, not one per start. $RADIXSERVE_RETRY_CPU_BUILD=1 ignores the
+    marker. A build (the first start on a machine, or after a kernel changed) is logged before
+    and after, with its duration: it runs while the weights load and would otherwise look like
+    a hang."""
     full_name = f"{name}_{cpu_tag()}"
+    marker = failure_marker(full_name, build_key(full_name, sources, cflags))
+    if marker.is_file() and os.environ.get(ENV_RETRY) != "1":
+        logger.warning("%s unavailable: their build failed before on this machine (%s); using "
+                       "torch's kernels. To retry: delete %s or set %s=1", what,
+                       marker.read_text().strip(), marker, ENV_RETRY)
+        return False
     building = cached_build(full_name) is None
     if building:
         logger.info("building the native %s (first start on this machine only; cached under "
@@ -121,8 +187,10 @@ def build_extension(name: str, sources: Sequence[Path], what: str,
              extra_cflags=list(cflags), extra_ldflags=LDFLAGS, is_python_module=False,
              verbose=False)
     except Exception as e:  # noqa: BLE001  any build failure: keep the torch path
-        logger.warning("%s unavailable (%s: %s); using torch's kernels", what,
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        first = f"{type(e).__name__}: {first_error_line(str(e))}"
+        _remember_failure(marker, first)
+        logger.warning("%s unavailable (%s); using torch's kernels. Later starts skip the "
+                       "build; to retry: delete %s or set %s=1", what, first, marker, ENV_RETRY)
         return False
     elapsed = time.perf_counter() - start
     if building:
@@ -138,7 +206,7 @@ def _build() -> bool:
     """Build (or load the cached build of) the extension once per process; False on failure."""
     if os.environ.get(ENV_DISABLE) == "1":
         return False
-    return _registered() or build_extension(EXT_BASE, SOURCES, "CPU attention kernels")
+    return _registered() or build_extension(EXT_BASE, tuple(SOURCES), "CPU attention kernels")
 
 
 def load_paged_decode() -> PagedDecode | None:

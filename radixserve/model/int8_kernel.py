@@ -45,7 +45,7 @@ def load_int8_gemm() -> Int8Gemm | None:
     """torch.ops.radixserve.int8_packed_gemm, built on first use; None where unavailable."""
     if os.environ.get(ENV_DISABLE) == "1":
         return None
-    if not (_registered() or build_extension(EXT_BASE, [SOURCE], "CPU int8 GEMM kernel")):
+    if not (_registered() or build_extension(EXT_BASE, (SOURCE,), "CPU int8 GEMM kernel")):
         return None
     op: Int8Gemm = torch.ops.radixserve.int8_packed_gemm
     return op

@@ -78,7 +78,7 @@ def load_norm_rope(device: torch.device) -> NormRope:
     """The native ops on CPU where they build (once per process), else the references."""
     if device.type != "cpu" or os.environ.get(ENV_DISABLE) == "1":
         return REFERENCE
-    if not (_registered() or build_extension(EXT_BASE, [SOURCE], "CPU RMSNorm/RoPE kernels",
+    if not (_registered() or build_extension(EXT_BASE, (SOURCE,), "CPU RMSNorm/RoPE kernels",
                                              CFLAGS)):
         return REFERENCE
     return NormRope(_rms_norm_native_below_fp32, torch.ops.radixserve.rope_qk, native=True)

@@ -26,7 +26,7 @@ def test_first_build_is_logged_with_its_duration_and_a_cached_one_is_not(
         (folder / f"{name}.so").write_bytes(b"")
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    source = [tmp_path / "k.cpp"]
+    source = (tmp_path / "k.cpp",)
     with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
         assert cpu_kernels.build_extension("radixserve_log_test", source, "CPU test kernels")
     first = [r.getMessage() for r in caplog.records]
@@ -35,6 +35,7 @@ def test_first_build_is_logged_with_its_duration_and_a_cached_one_is_not(
                for m in first), first
     assert any(m.startswith("built the native CPU test kernels in ") for m in first), first
     caplog.clear()
+    cpu_kernels.build_extension.cache_clear()  # a second process
     with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
         assert cpu_kernels.build_extension("radixserve_log_test", source, "CPU test kernels")
     assert len(builds) == 2  # torch's load still runs: it loads the cached library
