@@ -42,6 +42,9 @@ class ModelArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_id: int | list[int] | None
+    # Per layer: its sliding window (HF's sliding_window), or None for full causal attention;
+    # () for a model without windows.
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -79,8 +82,6 @@ def read_model_spec(hf_dir: Path) -> ModelArch:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM"):
-        raise ModelLoadError("sliding-window attention is not supported yet")
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     return ModelArch(
@@ -98,4 +99,27 @@ def read_model_spec(hf_dir: Path) -> ModelArch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         eos_token_id=cfg.get("eos_token_id"),
+        layer_windows=_layer_windows(cfg, arch),
     )
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers sets it: Mistral's on every layer; Qwen2's
+    only with use_sliding_window, on the layers `layer_types` marks (else those from
+    max_window_layers on)."""
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    layers = int(cfg["num_hidden_layers"])
+    if window is None:
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+    if arch != "Qwen2ForCausalLM":
+        return (window,) * layers
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+        for i in range(layers)]
+    if len(types) != layers:
+        raise ModelLoadError(f"layer_types has {len(types)} entries for {layers} layers")
+    return tuple(window if t == "sliding_attention" else None for t in types)

@@ -107,6 +107,11 @@ class LlamaModel:
         self.lm_head = make_linear(weights.lm_head, None, q if quantize_lm_head else None,
                                    int8_gemm=gemm)
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full causal attention)."""
+        windows = self.spec.layer_windows
+        return windows[layer] if windows else None
+
     def linear_weight_bytes(self) -> tuple[int, int]:
         """(bytes of the decoder layers' linear weights, bytes of the LM head's weight)."""
         layers = sum(lay.qkv.nbytes + lay.o_proj.nbytes + lay.mlp.nbytes for lay in self.layers)
@@ -138,7 +143,8 @@ class LlamaModel:
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, qk_size:].view(-1, spec.num_kv_heads, spec.head_dim)
             attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale,
-                                        None if kv_scales is None else kv_scales[i])
+                                        None if kv_scales is None else kv_scales[i],
+                                        window=self.window(i))
             attn = attn.reshape(-1, self.q_size)  # (T, heads * head_dim)
             if self.tp is None:
                 h = layer.o_proj.add_to(h, attn)  # (T, hidden)
