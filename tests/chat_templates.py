@@ -3,8 +3,7 @@ Qwen3's (thinking on and off, Hermes tool calls), a DeepSeek-R1-style one that o
 `<think>` in the prompt, and Gemma's (no system role: folded into the first user turn).
 
 Owns: the templates (written for these tests after each family's published template logic)
-and a tiny Llama folder that carries one, with `<think>`/`<tool_call>` as added tokens as in
-Qwen3's tokenizer. Does not know: what a test checks.
+and a tiny Llama folder that carries one. Does not know: what a test checks.
 """
 
 from __future__ import annotations
@@ -107,15 +106,15 @@ GEMMA_TEMPLATE = """\
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"""
 
-ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
 def make_templated_model(path: Path, template: str) -> Path:
-    """A tiny random Llama whose tokenizer carries `template` and Qwen3's added (not
-    special: they stay in the decoded text) tokens."""
+    """A tiny random Llama whose tokenizer carries `template`. `<think>` and `<tool_call>`
+    stay byte tokens: Qwen3's tokenizer has them as added (not special) tokens, but
+    llguidance reads every added token as a special one, so a regex-steered output (what
+    these tests use to make a random model think) could not contain them."""
     tokenizer = make_tokenizer()
-    tokenizer.add_tokens(ADDED_TOKENS)
-    make_tiny_model(path, vocab_size=len(tokenizer))
+    make_tiny_model(path)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path

@@ -25,6 +25,9 @@ class OutputReading:
     calls: CallFormat | None = None
     reasoning: ReasoningFormat | None = None
     prompt_opened: bool = False  # the rendered prompt ends inside an open <think>
+    # The server has a reasoning parser: messages carry reasoning_content (null when none,
+    # as when the request turned thinking off), as vLLM's do.
+    reasoning_field: bool = False
 
 
 class ChoiceReader:
@@ -62,7 +65,7 @@ def chat_message(reading: OutputReading, text: str) -> tuple[dict[str, Any], boo
         message, called = tool_message(reading.calls, content)
     else:
         message, called = {"role": "assistant", "content": content}, False
-    if reading.reasoning is not None:
+    if reading.reasoning is not None or reading.reasoning_field:
         if reasoning is not None and not message["content"]:
             message["content"] = None
         message["reasoning_content"] = reasoning

@@ -65,11 +65,13 @@ def output_reading(state: ServerState, req: ChatRequest, jobs: list[ChoiceJob],
     """The server's --reasoning-parser unless the request turned thinking off; whether the
     rendered prompt already opened the thinking block (every choice shares the prompt)."""
     fmt = state.reasoning_format
-    if fmt is None or not thinking_enabled(req.template.kwargs):
+    if fmt is None:
         return OutputReading(calls)
+    if not thinking_enabled(req.template.kwargs):
+        return OutputReading(calls, reasoning_field=True)
     tail = state.tokenizer.decode(list(jobs[0].prompt_ids[-_PROMPT_TAIL_TOKENS:]),
                                   skip_special_tokens=False)
-    return OutputReading(calls, fmt, prompt_opens_thinking(tail))
+    return OutputReading(calls, fmt, prompt_opens_thinking(tail), reasoning_field=True)
 
 
 async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
