@@ -127,3 +127,26 @@ async def test_reasoning_then_a_tool_call_streamed_and_whole(tmp_path: Path) -> 
     assert off_message["reasoning_content"] is None
     assert off_message["content"].startswith("<think>\nThe user")
     assert len(off_message["tool_calls"]) == 1
+
+
+async def test_a_reply_sent_back_with_its_thinking(qwen3: Path) -> None:
+    """An agent loop sends the assistant's message back as it came (`reasoning_content`,
+    content null beside its calls): accepted, and Qwen3's template renders the thinking of
+    the turns after the last user query."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    history = [ASK[1], {"role": "assistant", "content": None, "tool_calls": [call],
+                        "reasoning_content": "I should look it up."},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    async with serve(qwen3) as srv:
+        status, text = await rendered(srv, history, tools=[WEATHER])
+        assert status == 200, text
+        assert ("<|im_start|>assistant\n<think>\nI should look it up.\n</think>\n\n<tool_call>"
+                in text), text
+        assert "<tool_response>\nsunny\n</tool_response>" in text
+        status, text = await rendered(srv, [ASK[1], {"role": "assistant", "content": None,
+                                                     "reasoning": "cut off"}, ASK[1]])
+        assert status == 200 and "cut off" not in text  # before the last query: dropped
+        status, body = await rendered(srv, [ASK[1], {"role": "assistant", "content": "x",
+                                                     "reasoning_content": 3}])
+        assert status == 400 and body["error"]["param"] == "messages[1].reasoning_content"
