@@ -34,7 +34,7 @@ MAP_PAGE = "docs/development.md"  # the page that holds the map
 
 # One chat request, from the HTTP route to the sampled token and back: (file, its part).
 READ_FIRST = (
-    ("radixserve/server/routes/openai.py",
+    ("radixserve/server/routes/chat.py",
      "the route: parse the body, size it into choices, admit it, format the stream"),
     ("radixserve/api/protocol.py", "what a request may say: its fields, checked (400s)"),
     ("radixserve/server/app_state.py",

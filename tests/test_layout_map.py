@@ -36,7 +36,7 @@ def test_read_first_path_files_exist() -> None:
     for path, _ in layout_map.READ_FIRST:
         assert (REPO_ROOT / path).is_file(), path
     paths = [p for p, _ in layout_map.READ_FIRST]
-    assert paths[0] == "radixserve/server/routes/openai.py"
+    assert paths[0] == "radixserve/server/routes/chat.py"
     assert "radixserve/sched/scheduler.py" in paths and "radixserve/engine/sampler.py" in paths
 
 
