@@ -21,6 +21,7 @@ from radixserve.config import (
     KV_OFFLOAD_WRITE_POLICIES,
     METRICS_COMPAT,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     SCHEDULE_POLICIES,
     TOOL_CALL_PARSERS,
     ConfigError,
@@ -92,6 +93,8 @@ _SERVER_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--log-stats-interval", float, "log_stats_interval", "seconds between stats log lines"),
     ("--tool-call-parser", str, "tool_call_parser",
      f"how the model writes tool calls: {' | '.join(TOOL_CALL_PARSERS)}"),
+    ("--reasoning-parser", str, "reasoning_parser", "split <think>...</think> into "
+     f"message.reasoning_content: {' | '.join(REASONING_PARSERS)} (default: off)"),
     ("--api-keys-file", str, "api_keys_file", "JSON/TOML file of named keys with per-key limits "
      "(rpm, tpm, max_concurrency, max_tokens, max_input_tokens); SIGHUP reloads it"),
     ("--request-timeout", float, "request_timeout", "seconds a request may take; then 408"),

@@ -45,12 +45,20 @@ def test_flags_reach_the_configs() -> None:
     (["--dtype", "int3"], "dtype"),
     (["--port", "70000"], "port"),
     (["--max-queue", "0"], "max_queue"),
+    (["--reasoning-parser", "qwen"], "unknown reasoning parser 'qwen'; supported: qwen3, "
+                                     "deepseek_r1"),
 ])
 def test_config_errors_exit_cleanly(argv: list[str], words: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("radixserve: error:") and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_reasoning_parser_flag(name: str) -> None:
+    assert config(["--reasoning-parser", name]).reasoning_parser == name
+    assert config([]).reasoning_parser is None  # off unless asked
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo import REPO_ROOT
+from tests.repo import DOCS, REPO_ROOT
 
 
 def test_package_import_is_lazy_and_api_side_modules_never_load_torch() -> None:
@@ -130,10 +130,10 @@ def test_readme_offline_structured_output_snippet() -> None:
 
     import jsonschema
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    code = readme.split("Offline:\n\n```python\n", 1)[1].split("```", 1)[0]
+    page = (DOCS / "serving.md").read_text()
+    code = page.split("Offline:\n\n```python\n", 1)[1].split("```", 1)[0]
     scope: dict[str, object] = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(code, "docs/serving.md", "exec"), scope)  # noqa: S102
     out = scope["out"]
     assert out.finish_reason == "stop"  # type: ignore[attr-defined]
     jsonschema.validate(json.loads(out.text), scope["person"])  # type: ignore[attr-defined]
@@ -142,17 +142,19 @@ def test_readme_offline_structured_output_snippet() -> None:
 @pytest.mark.slow
 @pytest.mark.smollm2
 def test_readme_offline_chat_with_tools_snippet() -> None:
-    """The README's offline quick start, then its LLM.chat(tools=...) snippet, as written."""
+    """The README's offline quick start, then docs/serving.md's LLM.chat(tools=...) snippet,
+    as written."""
     import json
 
     import jsonschema
 
     readme = (REPO_ROOT / "README.md").read_text()
     quick = readme.split("Offline, without HTTP:\n\n```python\n", 1)[1].split("```", 1)[0]
-    tools = readme.split("stays raw, and the calls are read back into `o.tool_calls` "
-                         "(OpenAI's shape):\n\n```python\n", 1)[1].split("```", 1)[0]
+    page = (DOCS / "serving.md").read_text()
+    tools = page.split("stays raw, and the calls are read back into `o.tool_calls` "
+                       "(OpenAI's shape):\n\n```python\n", 1)[1].split("```", 1)[0]
     scope: dict[str, object] = {}
-    exec(compile(quick + tools, "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(quick + tools, "README.md + docs/serving.md", "exec"), scope)  # noqa: S102
     out = scope["out"]
     (call, *_) = out.tool_calls  # type: ignore[attr-defined]
     assert call["function"]["name"] == "get_weather"

@@ -5,6 +5,7 @@ Owns: validating `messages` and normalizing each to a plain dict:
   + for an assistant turn that called tools: "tool_calls": [{"id", "type": "function",
     "function": {"name", "arguments": <JSON text>}}] (its content may then be "")
   + for a tool result: "tool_call_id": str
+  + for an assistant turn sent back with its thinking: "reasoning_content": str
 Every malformed message is an InvalidRequestError naming `messages[i]...`. Also the request's
 template options (add_generation_prompt, continue_final_message, chat_template_kwargs).
 Does not know: chat templates or how tools are rendered (tools/prompt.py), HTTP.
@@ -24,7 +25,8 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
 _FIELDS = {
     "system": frozenset({"role", "content", "name"}),
     "user": frozenset({"role", "content", "name"}),
-    "assistant": frozenset({"role", "content", "name", "tool_calls", "refusal"}),
+    "assistant": frozenset({"role", "content", "name", "tool_calls", "refusal",
+                            "reasoning_content", "reasoning"}),
     "tool": frozenset({"role", "content", "tool_call_id", "name"}),
 }
 
@@ -69,16 +71,32 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": args}}
 
 
+def _reasoning(msg: dict[str, Any], where: str) -> dict[str, Any]:
+    """A reply sent back as it came (`reasoning_content`, or vLLM's newer `reasoning`): kept
+    for templates that render it (Qwen3's), null dropped."""
+    for key in ("reasoning_content", "reasoning"):
+        value = msg.get(key)
+        if value is not None and not isinstance(value, str):
+            raise bad(f"'{where}.{key}' must be a string or null", f"{where}.{key}")
+        if value is not None:
+            return {"reasoning_content": value}
+    return {}
+
+
 def _assistant(msg: dict[str, Any], where: str) -> dict[str, Any]:
     calls = msg.get("tool_calls")
+    thought = _reasoning(msg, where)
     if calls is None or calls == []:
-        return {"role": "assistant", "content": _text(msg.get("content"), where)}
+        content = msg.get("content")
+        if content is None and thought:  # a reply cut off while thinking, sent back
+            content = ""
+        return {"role": "assistant", "content": _text(content, where), **thought}
     if not isinstance(calls, list):
         raise bad(f"'{where}.tool_calls' must be a list", f"{where}.tool_calls")
     content = msg.get("content")
     return {"role": "assistant", "content": "" if content is None else _text(content, where),
             "tool_calls": [_tool_call(c, f"{where}.tool_calls[{k}]")
-                           for k, c in enumerate(calls)]}
+                           for k, c in enumerate(calls)], **thought}
 
 
 def parse_message(msg: Any, i: int) -> dict[str, Any]:

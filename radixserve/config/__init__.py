@@ -27,13 +27,19 @@ from radixserve.config.kv_events_config import (
     kv_events_config_from,
 )
 from radixserve.config.parsing import ConfigError, json_object_from
-from radixserve.config.server_config import METRICS_COMPAT, TOOL_CALL_PARSERS, ServerConfig
+from radixserve.config.server_config import (
+    METRICS_COMPAT,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ServerConfig,
+)
 from radixserve.config.speculative_config import SpeculativeConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "EVICTION_POLICIES", "KV_CACHE_DTYPES",
     "KV_EVENT_PUBLISHERS", "KV_OFFLOAD_WRITE_POLICIES", "METRICS_COMPAT", "QUANTIZATIONS",
-    "SCHEDULE_POLICIES", "TIER_BLOCK_SIZE", "TOOL_CALL_PARSERS", "ConfigError", "EngineConfig",
+    "REASONING_PARSERS", "SCHEDULE_POLICIES", "TIER_BLOCK_SIZE", "TOOL_CALL_PARSERS",
+    "ConfigError", "EngineConfig",
     "KVEventsConfig", "SchedulePolicy", "ServerConfig", "SpeculativeConfig",
     "json_object_from", "kv_events_config_from",
 ]

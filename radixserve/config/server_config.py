@@ -12,6 +12,7 @@ from radixserve.config.kv_events_config import HashAlgo, KVEventsConfig
 from radixserve.config.parsing import ConfigError
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # api/tools/parsers.py's registry
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # api/reasoning.py's registry
 METRICS_COMPAT = ("vllm",)  # --metrics-compat: also export these engines' metric names
 
 
@@ -29,6 +30,7 @@ class ServerConfig:
     max_queue: int | None = None  # waiting + running requests; past it: 429
     log_stats_interval: float = 5.0
     tool_call_parser: str = "hermes"  # how tool calls are written and read back
+    reasoning_parser: str | None = None  # <think>...</think> read into reasoning_content
     api_keys_file: str | None = None  # JSON/TOML: named keys with per-key limits (SIGHUP reloads)
     log_requests: bool = False  # one line per request; prompts cut short, keys never shown
     request_timeout: float | None = None  # seconds from arrival; past it: abort, 408
@@ -61,6 +63,9 @@ class ServerConfig:
                 f"unknown tool-call parser {self.tool_call_parser!r}; "
                 f"supported: {', '.join(TOOL_CALL_PARSERS)}"
             )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"unknown reasoning parser {self.reasoning_parser!r}; "
+                              f"supported: {', '.join(REASONING_PARSERS)}")
         for name in ("request_timeout", "keepalive_timeout", "body_timeout", "send_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -33,6 +33,7 @@ from radixserve.server.app_state import STATE_KEY, ServerState
 from radixserve.server.error_responses import APIError, error_response, to_api_error
 from radixserve.server.metrics_compat import VllmCompatCollector
 from radixserve.server.routes.cache import add_cache_routes
+from radixserve.server.routes.chat import add_chat_routes
 from radixserve.server.routes.kv_events import setup_kv_events
 from radixserve.server.routes.native import add_native_routes
 from radixserve.server.routes.openai import add_openai_routes
@@ -107,6 +108,7 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     app[SEND_TIMEOUT_KEY] = cfg.send_timeout
     app.on_response_prepare.append(rate_limit_headers)
     add_openai_routes(app)
+    add_chat_routes(app)
     add_responses_routes(app)
     add_cache_routes(app)
     add_native_routes(app)

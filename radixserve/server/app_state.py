@@ -24,6 +24,7 @@ from radixserve.api.api_keys import KeyLimits
 from radixserve.api.constraints.check import ConstraintChecker
 from radixserve.api.jobs import ChoiceJob, JobCaps, MergedStreams, make_jobs, tightest
 from radixserve.api.protocol import PromptInput, RequestOptions
+from radixserve.api.reasoning import ReasoningFormat, get_reasoning_format
 from radixserve.api.response_store import ResponseStore
 from radixserve.api.tools.parsers import get_format
 from radixserve.api.tools.prompt import supports_tools
@@ -66,6 +67,8 @@ class ServerState:
         self.vocab_size = 0
         self.eos_ids: tuple[int, ...] = ()
         self.call_format = get_format(cfg.tool_call_parser)
+        self.reasoning_format: ReasoningFormat | None = (
+            None if cfg.reasoning_parser is None else get_reasoning_format(cfg.reasoning_parser))
         self.native_tools = False  # the chat template renders tools itself (set on load)
         # schemas that passed, remembered; closed as the engine closes them (grammar_text.py)
         self.check_constraint = ConstraintChecker(

@@ -252,7 +252,7 @@ def test_dashboard_and_hpa_use_exported_metrics() -> None:
 
 
 def test_routers_run_in_the_mode_that_makes_several_agree() -> None:
-    """README "Several routers": precise mode with the replicas' tokenizer, ties by hash over
+    """docs/router.md, "Several routers": precise mode with the replicas' tokenizer, ties by hash over
     as many routers as the Deployment runs, a load dead band (tests/router/test_multi.py
     measures their agreement with these very flags)."""
     deployment = _one("Deployment", "radixserve-router")

@@ -42,7 +42,7 @@ def test_manifest_validates_and_each_pod_gets_its_node_rank() -> None:
         configs.append(build_config(args, {}).engine)
     assert [c.node_rank for c in configs] == list(range(nodes))
     assert {(c.tensor_parallel_size, c.nnodes) for c in configs} == {(2, nodes)}
-    # The exact flags of the README: --tensor-parallel-size, --nnodes, --node-rank,
+    # The exact flags of docs/hardware.md: --tensor-parallel-size, --nnodes, --node-rank,
     # --dist-init-addr.
     for flag in ("--tensor-parallel-size", "--nnodes", "--node-rank", "--dist-init-addr"):
         assert flag in container["args"]

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.repo import REPO_ROOT
+from tests.repo import DOCS
 from tests.server.tool_server import MODEL, SCHEMAS, TOOLS, smollm2_sdk, weather_agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
@@ -177,31 +177,32 @@ def test_bad_tool_input_is_a_400(client: openai.OpenAI) -> None:
     assert info.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]
 
 
-def run_readme_example(client: openai.OpenAI, heading: str) -> dict[str, Any]:
-    """The first python block under `heading` in README.md, run as written against this
+def run_docs_example(client: openai.OpenAI, heading: str) -> dict[str, Any]:
+    """The first python block under `heading` in docs/agents.md, run as written against this
     server (its documented base_url swapped for the test server's); returns its globals."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    code = readme.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    page = (DOCS / "agents.md").read_text()
+    code = page.split(heading, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert 'base_url="http://127.0.0.1:30000/v1"' in code
     code = code.replace("http://127.0.0.1:30000/v1", str(client.base_url))
     scope: dict[str, Any] = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(code, "docs/agents.md", "exec"), scope)  # noqa: S102
     return scope
 
 
-def test_readme_agents_example_runs_as_written(client: openai.OpenAI) -> None:
-    """README's openai SDK example, pointed at this server: the calls and checks it promises."""
-    scope = run_readme_example(client, "## Agents: tool calls and structured output")
+def test_docs_agents_example_runs_as_written(client: openai.OpenAI) -> None:
+    """docs/agents.md's openai SDK example, pointed at this server: the calls and checks it
+    promises."""
+    scope = run_docs_example(client, "# Agents: tool calls and structured output")
     assert scope["call"].function.name == "get_weather"
     assert isinstance(json.loads(scope["call"].function.arguments)["city"], str)
     assert scope["final"].usage.prompt_tokens_details.cached_tokens > 0
     jsonschema.validate(json.loads(scope["r"].choices[0].message.content), scope["person"])
 
 
-def test_readme_responses_example_runs_as_written(client: openai.OpenAI) -> None:
-    """README's Responses API example: a call through /v1/responses, its output items passed
+def test_docs_responses_example_runs_as_written(client: openai.OpenAI) -> None:
+    """docs/agents.md's Responses API example: a call through /v1/responses, its output items passed
     back as input with the result, a final answer from the cache, and a schema-valid JSON."""
-    scope = run_readme_example(client, "### The Responses API")
+    scope = run_docs_example(client, "## The Responses API")
     call = scope["call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), scope["tools"][0]["parameters"])

@@ -61,7 +61,8 @@ def _native(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"id": cid, "type": "function", "function": {"name": n, "arguments": a}}
                 for n, a, cid in _calls(msg)]
             names.update((c["id"], c["function"]["name"]) for c in calls)
-            out.append({"role": "assistant", "content": msg["content"], "tool_calls": calls})
+            out.append({"role": "assistant", "content": msg["content"], "tool_calls": calls,
+                        **({k: msg[k] for k in ("reasoning_content",) if k in msg})})
         elif msg["role"] == "tool":
             out.append({"role": "tool", "content": msg["content"],
                         "tool_call_id": msg["tool_call_id"],

@@ -1,7 +1,8 @@
-"""OpenAI routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""OpenAI routes: POST /v1/completions, GET /v1/models, and the pieces chat.py shares.
 
-Owns: OpenAI's wire format (responses, stream chunks, usage, both logprobs shapes).
-Does not know: how tokens are produced (ServerState and choice_stream.py do that).
+Owns: OpenAI's wire format for completions (responses, stream chunks), usage, both logprobs
+shapes. Does not know: how tokens are produced (ServerState and choice_stream.py do that),
+chat messages and their tool calls and reasoning (chat.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from radixserve.api.jobs import ChoiceJob
-from radixserve.api.protocol import ChatRequest, parse_chat, parse_completion
-from radixserve.api.tools.parsers import CallFormat
-from radixserve.api.tools.stream import TOOL_CALLS_FINISH, ChatToolStream, tool_message
+from radixserve.api.protocol import parse_completion
 from radixserve.server.app_state import PREVIEW_FIELD, STATE_KEY, ServerState, read_json
 from radixserve.server.choice_stream import ChoiceChunk
 from radixserve.server.error_responses import json_response
@@ -159,8 +158,11 @@ async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
 
 async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
                               num_choices: int) -> dict[str, Any]:
-    choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": None}
-               for i in range(num_choices)]
+    """The streamed events folded into one response; with return_token_ids each choice holds
+    its `prompt_token_ids` and all its `token_ids` (vLLM's non-streaming placement)."""
+    choices: list[dict[str, Any]] = [
+        {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+        for i in range(num_choices)]
     last: dict[str, Any] = {}
     async with aclosing(events) as stream:
         async for event in stream:
@@ -169,6 +171,10 @@ async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
                 choice = choices[part["index"]]
                 choice["text"] += part["text"]
                 choice["finish_reason"] = part["finish_reason"]
+                if "prompt_token_ids" in part:
+                    choice["prompt_token_ids"] = part["prompt_token_ids"]
+                if "token_ids" in part:
+                    choice.setdefault("token_ids", []).extend(part["token_ids"])
                 if part["logprobs"] is not None:
                     if choice["logprobs"] is None:
                         choice["logprobs"] = {k: [] for k in part["logprobs"]}
@@ -178,39 +184,14 @@ async def _collect_completion(events: AsyncGenerator[dict[str, Any], None],
     return {**last, "choices": choices}
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, arrival = start_request(request)
-    req = parse_chat(await read_json(request), state.call_format.name, state.check_constraint)
-    jobs, calls = await chat_jobs(request, state, req, "messages")
-    with state.admit(request, jobs) as ticket:
-        chunks = state.outputs(jobs, arrival, ticket, req.opts.timeout)
-        if req.opts.stream:
-            events = _chat_events(state, jobs, chunks, req.opts.params.logprobs is not None,
-                                  calls, req.opts.return_token_ids, req.opts.include_usage)
-            return await write_sse(request, events)
-        return json_response(await _collect_chat(state, jobs, chunks, calls))
-
-
-async def chat_jobs(request: web.Request, state: ServerState, req: ChatRequest,
-                    param: str) -> tuple[list[ChoiceJob], CallFormat | None]:
-    """A parsed chat request's choices (its prompt rendered, the caller's limits applied;
-    `param` names the prompt's field in errors) and the call format its output is read back
-    with: tool calls unless tool_choice is "none" (or there are no tools)."""
-    state.check_model(req.opts.model)
-    prompt = await state.encode_messages(req.messages, req.tools, req.template)
-    request[PREVIEW_FIELD] = req.messages[-1]["content"]
-    jobs = await with_prediction(state, state.caller_jobs(request, [prompt], req.opts, param),
-                                 req.opts.prediction)
-    calls = state.call_format if req.tools is not None and req.tools.parses_calls else None
-    return jobs, calls
-
-
 def _add_token_ids(choice: dict[str, Any], c: ChoiceChunk, first_of: ChoiceJob | None) -> None:
     """return_token_ids: this chunk's tokens (all of them: a chunk is emitted for tokens whose
     text is held back too), and the prompt's on a choice's first chunk."""
     choice["token_ids"] = list(c.token_ids)
     if first_of is not None:
         choice["prompt_token_ids"] = list(first_of.prompt_ids)
+
+
 async def with_prediction(state: ServerState, jobs: list[ChoiceJob],
                           text: str | None) -> list[ChoiceJob]:
     """Every choice drafts from the request's `prediction` (tokenized as output text)."""
@@ -218,79 +199,6 @@ async def with_prediction(state: ServerState, jobs: list[ChoiceJob],
         return jobs
     ids = tuple(await state.encode(text, add_special_tokens=False))
     return [dataclasses.replace(j, prediction_ids=ids) for j in jobs]
-
-
-def _plain_deltas(text: str, final: bool) -> list[dict[str, Any]]:
-    return [{"content": text}] if text else []
-
-
-async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
-                       chunks: AsyncGenerator[ChoiceChunk, None], want_lp: bool,
-                       calls: CallFormat | None, ids: bool = False, with_usage: bool = False
-                       ) -> AsyncGenerator[dict[str, Any], None]:
-    """Chat completion chunks, then (`with_usage`: stream_options.include_usage) a last event
-    with no choices and the usage."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": state.model_name}
-    usage = Usage(jobs)
-    started: set[int] = set()
-    tool_streams = {j.index: ChatToolStream(calls) for j in jobs} if calls else {}
-    async with aclosing(chunks) as stream:
-        async for c in stream:
-            usage.add(c)
-            if c.index not in started:  # OpenAI: the first chunk of a choice carries the role
-                started.add(c.index)
-                role: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None,
-                                        "delta": {"role": "assistant", "content": ""}}
-                if ids:
-                    role["prompt_token_ids"] = list(jobs[c.index].prompt_ids)
-                yield {**base, "choices": [role]}
-            lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs) if want_lp else None
-            tools = tool_streams.get(c.index)
-            final = c.finish_reason is not None
-            deltas = (tools.deltas if tools else _plain_deltas)(c.text, final)
-            finish = tools.finish_reason(c.finish_reason) if tools else c.finish_reason
-            if finish or (lp and lp["content"]) or (ids and c.token_ids):
-                deltas = deltas or [{}]  # one chunk carries the finish / logprobs / token ids
-            for k, delta in enumerate(deltas):
-                last = k == len(deltas) - 1
-                choice = {"index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
-                          "finish_reason": finish if last else None}
-                if ids:
-                    choice["token_ids"] = list(c.token_ids) if k == 0 else []
-                yield {**base, "choices": [choice]}
-    if with_usage:
-        yield {**base, "choices": [], "usage": usage.body()}
-
-
-async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
-                        chunks: AsyncGenerator[ChoiceChunk, None],
-                        calls: CallFormat | None) -> dict[str, Any]:
-    want_lp = jobs[0].params.logprobs is not None
-    texts: list[list[str]] = [[] for _ in jobs]
-    lps: list[list[Any]] = [[] for _ in jobs]
-    finish: list[str | None] = [None] * len(jobs)
-    usage = Usage(jobs)
-    async with aclosing(chunks) as stream:
-        async for c in stream:
-            usage.add(c)
-            texts[c.index].append(c.text)
-            finish[c.index] = c.finish_reason or finish[c.index]
-            if want_lp:
-                lp = chat_logprobs(state.token_str, c.token_ids, c.logprobs)
-                lps[c.index].extend(lp["content"])
-    choices = []
-    for i in range(len(jobs)):
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts[i])}
-        if calls is not None:
-            message, called = tool_message(calls, message["content"])
-            finish[i] = TOOL_CALLS_FINISH if called and finish[i] else finish[i]
-        choices.append({"index": i, "message": message,
-                        "logprobs": {"content": lps[i]} if want_lp else None,
-                        "finish_reason": finish[i]})
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": state.model_name, "choices": choices,
-            "usage": usage.body()}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -303,5 +211,4 @@ async def list_models(request: web.Request) -> web.Response:
 
 def add_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

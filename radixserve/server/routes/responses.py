@@ -34,7 +34,8 @@ from radixserve.api.tools.stream import ChatToolStream, tool_message
 from radixserve.server.app_state import ServerState, read_json, request_caller
 from radixserve.server.choice_stream import ChoiceChunk
 from radixserve.server.error_responses import json_response
-from radixserve.server.routes.openai import Usage, chat_jobs, chat_logprobs, start_request
+from radixserve.server.routes.chat import chat_jobs
+from radixserve.server.routes.openai import Usage, chat_logprobs, start_request
 from radixserve.server.routes.stored_responses import (
     RESPONSE_ID_HEADER,
     add_stored_response_routes,

@@ -19,7 +19,7 @@ from radixserve.config import ConfigError
 from radixserve.server.access.auth import ApiKeys
 from radixserve.server.app_state import STATE_KEY
 from radixserve.server.metrics import ServerMetrics
-from tests.repo import REPO_ROOT
+from tests.repo import DOCS
 from tests.server.test_app import GREEDY, TOKENIZER, call, serve
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
@@ -63,8 +63,8 @@ def test_toml_and_json_files_parse_the_same(tmp_path: Path) -> None:
 
 
 def test_readme_keys_file_example_is_valid(tmp_path: Path) -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    page = (DOCS / "operating.md").read_text()
+    block = page.split("```toml\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "keys.toml"
     path.write_text(block)
     entries = load_keys_file(path)
