@@ -12,6 +12,9 @@ with one index_select, then one gate_up GEMM, SiLU * up and one down GEMM per *a
 over its contiguous rows (a decode step at batch 1 touches only its k experts' weights), the
 top-k weights applied in one multiply and the rows scattered back with one index_add_ (in
 sorted order: each token's experts are summed in ascending expert order, as HF sums them).
+Where oneDNN prepacking applies (cpu_linear.py's rule), each expert's gate, up and down are
+prepacked at load (replacing the stacked copy) and run with the silu and the product as GEMM
+epilogues, as the dense GatedMLP does.
 
 Parallelism: with expert parallelism a rank holds experts [first_expert, first_expert + E/N)
 whole and computes only the pairs routed to them; with tensor parallelism every rank holds a
@@ -28,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.cpu_linear import GatedMLP
+from radixserve.model.cpu_linear import GatedMLP, prepack
 from radixserve.model.layers.moe_spec import MoESpec
 
 
@@ -88,26 +91,71 @@ def group_by_expert(expert_ids: torch.Tensor, num_experts: int, first_expert: in
     return ExpertGroups(pairs, pairs // top_k, local)
 
 
-def grouped_experts(x: torch.Tensor, routing: Routing, gate_up: torch.Tensor,
-                    down: torch.Tensor, num_experts: int, first_expert: int = 0
-                    ) -> torch.Tensor:  # (T, hidden): this rank's experts' weighted sum
-    """sum over each token's local top-k experts of weight * down(silu(gate(x)) * up(x)),
-    with one GEMM pair per active expert over its contiguous sorted rows."""
-    groups = group_by_expert(routing.expert_ids, num_experts, first_expert, gate_up.shape[0])
-    out = x.new_zeros(x.shape)  # (T, hidden)
-    if not groups.counts or groups.pairs.numel() == 0:
-        return out
-    rows = x.index_select(0, groups.token_rows)  # (P, hidden) grouped by expert
-    expert_out = torch.empty_like(rows)  # (P, hidden)
+PackedExpert = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # oneDNN gate, up, down
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> list[PackedExpert] | None:
+    """Each expert's gate, up and down in oneDNN's prepacked layout (cpu_linear.py: faster
+    than F.linear on the plain weight at a decode step's few rows), or None where that does
+    not apply (CUDA, a dtype or build without it)."""
     inter = gate_up.shape[1] // 2
-    end = 0
-    for e, n in enumerate(groups.counts):
+    packed = []
+    for e in range(gate_up.shape[0]):
+        parts = (prepack(gate_up[e, :inter]), prepack(gate_up[e, inter:]), prepack(down[e]))
+        if parts[0] is None or parts[1] is None or parts[2] is None:
+            return None
+        packed.append((parts[0], parts[1], parts[2]))
+    return packed
+
+
+def _packed_expert(rows: torch.Tensor, expert: PackedExpert) -> torch.Tensor:  # (n, hidden)
+    gate, up, down = expert
+    lp = torch.ops.mkldnn._linear_pointwise
+    act = lp(rows, gate, None, "swish", [], "")  # silu(rows @ gate.T): (n, F)
+    act = lp.binary(rows, act, up, None, "mul")  # (rows @ up.T) * act
+    out: torch.Tensor = lp(act, down, None, "none", [], "")
+    return out
+
+
+def expert_gemms(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor | None,
+                 down: torch.Tensor | None, packed: list[PackedExpert] | None = None
+                 ) -> torch.Tensor:  # (P, hidden)
+    """down(silu(gate(rows)) * up(rows)) with expert e's weights on its run of `counts[e]`
+    contiguous rows: one GEMM pair per active expert, nothing for an idle one. `packed`:
+    the experts' oneDNN layout (pack_experts) in place of the stacked weights."""
+    outs, end = [], 0
+    for e, n in enumerate(counts):
         if n == 0:
             continue
         start, end = end, end + n
+        if packed is not None:
+            outs.append(_packed_expert(rows[start:end], packed[e]))
+            continue
+        assert gate_up is not None and down is not None
         gu = F.linear(rows[start:end], gate_up[e])  # (n, 2 * F)
+        inter = gu.shape[1] // 2
         act = F.silu(gu[:, :inter]) * gu[:, inter:]  # (n, F)
-        torch.mm(act, down[e].t(), out=expert_out[start:end])  # (n, hidden)
+        outs.append(F.linear(act, down[e]))  # (n, hidden)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def grouped_experts(x: torch.Tensor, routing: Routing, gate_up: torch.Tensor | None,
+                    down: torch.Tensor | None, num_experts: int, first_expert: int = 0,
+                    packed: list[PackedExpert] | None = None
+                    ) -> torch.Tensor:  # (T, hidden): this rank's experts' weighted sum
+    """sum over each token's local top-k experts of weight * down(silu(gate(x)) * up(x)),
+    with one GEMM pair per active expert over its contiguous sorted rows."""
+    if packed is not None:
+        num_local = len(packed)
+    else:
+        assert gate_up is not None
+        num_local = int(gate_up.shape[0])
+    groups = group_by_expert(routing.expert_ids, num_experts, first_expert, num_local)
+    out = x.new_zeros(x.shape)  # (T, hidden)
+    if groups.pairs.numel() == 0:
+        return out
+    rows = x.index_select(0, groups.token_rows)  # (P, hidden) grouped by expert
+    expert_out = expert_gemms(rows, groups.counts, gate_up, down, packed)  # (P, hidden)
     weights = routing.weights.reshape(-1).index_select(0, groups.pairs)  # (P,)
     expert_out.mul_(weights.unsqueeze(1))
     return out.index_add_(0, groups.token_rows, expert_out)
@@ -120,7 +168,11 @@ class MoEBlock:
     def __init__(self, spec: MoESpec, weights: MoEWeights, prepacked: bool = True) -> None:
         self.spec = spec
         self.router = weights.router
-        self.gate_up, self.down = weights.gate_up, weights.down
+        self.num_local_experts = int(weights.gate_up.shape[0])
+        self.packed = pack_experts(weights.gate_up, weights.down) if prepacked else None
+        # NOTE: the packed copies replace the stacked weights: one copy in memory.
+        self.gate_up: torch.Tensor | None = weights.gate_up if self.packed is None else None
+        self.down: torch.Tensor | None = weights.down if self.packed is None else None
         self.first_expert = weights.first_expert
         self.shared: GatedMLP | None = None
         self.shared_gate = weights.shared_gate
@@ -130,19 +182,16 @@ class MoEBlock:
                                    prepacked=prepacked)
         self.nbytes = weights.nbytes  # the shared expert's prepacked copy is the same size
 
-    @property
-    def num_local_experts(self) -> int:
-        return int(self.gate_up.shape[0])
-
     def experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # (T, hidden)
         if x.device.type == "cuda":
             # Imported here: triton is never needed on CPU.
             from triton_kernels.fused_moe import fused_moe
 
+            assert self.gate_up is not None and self.down is not None
             return fused_moe(x, routing.weights, routing.expert_ids, self.gate_up, self.down,
                              first_expert=self.first_expert)
         return grouped_experts(x, routing, self.gate_up, self.down, self.spec.num_experts,
-                               self.first_expert)
+                               self.first_expert, self.packed)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         routing = route(x, self.router, self.spec.top_k, self.spec.renormalize)
