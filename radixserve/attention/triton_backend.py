@@ -2,7 +2,7 @@
 
 Owns: mapping one layer's forward onto triton_kernels: store this forward's K/V, then paged
 decode (split-K) or prefill (extend) attention; `attend` alone where the model stored the K/V
-itself (fused with RoPE: model/fused_forward.py); an 8-bit pool's layer scales go to all
+itself (fused with RoPE: the fused path of model/layers/attention.py); an 8-bit pool's layer scales go to all
 three kernels (stored = x / scale, read = stored * scale). Does not know: the model, the scheduler, how slots are
 allocated. Reads only what AttentionMetadata carries; no host-device sync.
 """
