@@ -54,7 +54,10 @@ def build_tiny_moe(family: str, *, num_experts: int = 8, top_k: int = 2, num_lay
         "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 96,
         "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 1024, "tie_word_embeddings": False,
-        "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None,
+        # No EOS in the config: the parity tests' HF generate runs with min_new_tokens, which
+        # would mask the EOS logit where our ignore_eos keeps it (a tiny random model picks
+        # <|im_end|> now and then); the engine takes its EOS from the tokenizer.
+        "eos_token_id": None, "bos_token_id": None,
         "pad_token_id": tokenizer.pad_token_id, "rms_norm_eps": 1e-6,
     }
     cfg = _config(family, common, num_experts, top_k, sparse or {})

@@ -76,7 +76,8 @@ def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: 
     size = cfg.tensor_parallel_size
     workers = None
     if tp_rank is None:
-        TPShard(0, size, spec)  # raises ConfigError for a size the heads do not allow
+        # raises ConfigError for a size the heads (or a MoE model's experts) do not allow
+        TPShard(0, size, spec, cfg.enable_expert_parallel)
         tp_rank = lead_rank(cfg)
         workers = TPWorkers(cfg, tp_rank)
         logger.info("tensor parallel: %d ranks (%d on this node), rendezvous %s", size,
@@ -89,4 +90,4 @@ def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: 
             workers.terminate()
         raise
     lead = None if workers is None else TPLead(comm, workers)
-    return TPShard(tp_rank.rank, size, spec), comm, lead
+    return TPShard(tp_rank.rank, size, spec, cfg.enable_expert_parallel), comm, lead

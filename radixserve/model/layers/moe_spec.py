@@ -1,6 +1,6 @@
 """MoESpec: the mixture-of-experts shape of a model, read from its HF config.json.
 
-Owns: which config keys each MoE family names its expert count, top-k, expert width and
+Owns: MoEArch (ModelArch plus the MoESpec), which config keys each MoE family names its expert count, top-k, expert width and
 shared expert by, the router's renormalisation rule per family, and which decoder layers are
 sparse (`decoder_sparse_step`, `mlp_only_layers`). Does not know: tensors, the forward.
 
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.model.arch import ModelArch
 from radixserve.model_source import ModelLoadError
 
 MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
@@ -55,6 +56,20 @@ class MoESpec:
 
     def sparse_layers(self, num_layers: int) -> list[int]:
         return [i for i in range(num_layers) if self.is_sparse(i)]
+
+
+@dataclass(frozen=True)
+class MoEArch(ModelArch):
+    """A MoE family's ModelArch: the experts' shape beside the dense fields (whose
+    `intermediate_size` is the dense layers' width: Qwen-MoE's mlp_only_layers)."""
+
+    moe: MoESpec | None = None
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip]
+
+
+def moe_of(spec: ModelArch) -> MoESpec | None:
+    """The model's MoESpec (None: a dense model)."""
+    return spec.moe if isinstance(spec, MoEArch) else None
 
 
 def _num_experts(cfg: Mapping[str, Any]) -> int:
