@@ -72,6 +72,22 @@ def moe_of(spec: ModelArch) -> MoESpec | None:
     return spec.moe if isinstance(spec, MoEArch) else None
 
 
+def moe_info(spec: ModelArch, tp_size: int = 1, expert_parallel: bool = False
+             ) -> dict[str, Any] | None:
+    """What /server_info lists of a MoE model (None for a dense one)."""
+    moe = moe_of(spec)
+    if moe is None:
+        return None
+    ep = expert_parallel and tp_size > 1
+    return {"num_experts": moe.num_experts, "top_k": moe.top_k,
+            "expert_intermediate_size": moe.expert_size,
+            "shared_expert_intermediate_size": moe.shared_expert_size,
+            "renormalize_top_k": moe.renormalize,
+            "num_sparse_layers": len(moe.sparse_layers(spec.num_layers)),
+            "expert_parallel": ep,
+            "experts_per_rank": moe.num_experts // tp_size if ep else moe.num_experts}
+
+
 def _num_experts(cfg: Mapping[str, Any]) -> int:
     # transformers 5 writes num_local_experts for every family (an attribute_map alias);
     # the Qwen and OLMoE checkpoints on the hub write num_experts.
