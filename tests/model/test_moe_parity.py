@@ -4,7 +4,8 @@ Tiny random models built with transformers' config classes: Qwen3-MoE (per-head 
 renormalised top-k, a dense layer among sparse ones), Qwen2-MoE (shared expert, qkv bias,
 decoder_sparse_step 2), Mixtral (top-k renormalised, block_sparse_moe names), OLMoE
 (whole-projection QK-norm, top-k not renormalised); both expert layouts; top-k 2, 3 and 8;
-the radix cache on and off, chunked prefill of 16, preemption.
+the radix cache on and off, chunked prefill of 16, preemption; the fused (Triton) forward
+with the fused MoE under the interpreter.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import pytest
 from radixserve import LLM, SamplingParams
 from radixserve.model_source import ModelLoadError
 from tests.engine.test_engine_cache import run_checked, shared_prefix_prompts
+from tests.model.test_fused_forward import (
+    DEVICE,
+    assert_paths_agree,
+    runnable_kernels,  # noqa: F401  (a fixture)
+)
 from tests.model.test_parity import check_parity
 from tests.tiny_moe_models import FAMILIES, Layout, make_tiny_moe
 
@@ -67,3 +73,13 @@ def test_int8_is_refused_for_experts(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not cover a mixture-of-experts"):
         LLM(model=str(tiny(tmp_path, "mixtral")), dtype="float32", kv_cache_tokens=1024,
             quantization="int8")
+
+
+@pytest.mark.usefixtures("runnable_kernels")
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_fused_forward_with_the_triton_moe(family: str, tmp_path: Path) -> None:
+    """The model's fused path (Triton backend: fused_moe under the interpreter on CPU; a
+    shared expert, a dense layer) gives the default CPU path's tokens and logits."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the interpreter run")
+    assert_paths_agree(tiny(tmp_path, family), 5, None)

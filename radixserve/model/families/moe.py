@@ -51,7 +51,7 @@ class SparseMoE:
         stream.h = self.tp.all_reduce(part)
 
     def __call__(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
-        out = self.block(x, None)  # (T, hidden): this rank's partial sum
+        out = self.block(x, None, ctx.fused)  # (T, hidden): this rank's partial sum
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

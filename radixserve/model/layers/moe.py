@@ -2,8 +2,9 @@
 
 Owns: the routing math (router linear, softmax over experts in fp32, top-k, renormalised or
 not: HF's TopKRouter order), the CPU grouped-expert compute, Qwen2-MoE's sigmoid-gated shared
-expert, and the partial-sum contract under tensor / expert parallelism. On CUDA the experts run
-as one Triton fused MoE (triton_kernels/fused_moe.py). Does not know: checkpoints
+expert, and the partial-sum contract under tensor / expert parallelism. On the model's fused
+path (CUDA's Triton backend) the experts run as one Triton fused MoE
+(triton_kernels/fused_moe.py), else as the grouped compute below. Does not know: checkpoints
 (moe_weights.py), attention, the decoder loop, collectives (the caller all-reduces).
 
 CPU grouped compute (no loop over tokens): the (token, expert) pairs are sorted once by expert
@@ -182,9 +183,11 @@ class MoEBlock:
                                    prepacked=prepacked)
         self.nbytes = weights.nbytes  # the shared expert's prepacked copy is the same size
 
-    def experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # (T, hidden)
-        if x.device.type == "cuda":
-            # Imported here: triton is never needed on CPU.
+    def experts(self, x: torch.Tensor, routing: Routing, fused: bool = False
+                ) -> torch.Tensor:  # (T, hidden)
+        """`fused`: the Triton fused MoE (the model's fused path: CUDA, or the interpreter)."""
+        if fused:
+            # Imported here: triton is never needed on the CPU path.
             from triton_kernels.fused_moe import fused_moe
 
             assert self.gate_up is not None and self.down is not None
@@ -193,9 +196,10 @@ class MoEBlock:
         return grouped_experts(x, routing, self.gate_up, self.down, self.spec.num_experts,
                                self.first_expert, self.packed)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 fused: bool = False) -> torch.Tensor:
         routing = route(x, self.router, self.spec.top_k, self.spec.renormalize)
-        out = self.experts(x, routing)  # (T, hidden)
+        out = self.experts(x, routing, fused)  # (T, hidden)
         if self.shared is not None:
             assert self.shared_gate is not None
             gate = torch.sigmoid(F.linear(x, self.shared_gate))  # (T, 1)
