@@ -53,7 +53,8 @@ def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype) -> MoEBlock:
     e, f = spec.num_experts, spec.expert_size
 
     def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype)
+        t: torch.Tensor = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+        return t.to(dtype)
 
     return MoEBlock(spec, MoEWeights(router=w(e, hidden), gate_up=w(e, 2 * f, hidden),
                                      down=w(e, hidden, f)))

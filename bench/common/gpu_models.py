@@ -99,7 +99,7 @@ def hf_config(shape: LlamaShape, max_positions: int) -> Any:
     """transformers' config of `shape` (LlamaConfig, or Qwen3MoeConfig for a MoE shape)."""
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": shape.vocab, "hidden_size": shape.hidden,
         "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
         "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
