@@ -95,10 +95,12 @@ class _AmaxRecorder:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scale: KVScale | None = None, **options: Any) -> torch.Tensor:
+                kv_scale: KVScale | None = None, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         self.k_amax.append(k.abs().amax(dim=(0, 2)).float())  # (Hkv,)
         self.v_amax.append(v.abs().amax(dim=(0, 2)).float())
-        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, **options)
+        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, window=window,
+                                  softcap=softcap)
 
 
 @contextlib.contextmanager

@@ -8,9 +8,7 @@ Does not know: any family's layer order or config fields.
 
 from __future__ import annotations
 
-import inspect
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,20 +74,6 @@ def _fused(backend: AttentionBackend, fused: bool | None) -> bool:
     return fused
 
 
-def _check_backend_options(backend: AttentionBackend, layers: Sequence[object]) -> None:
-    """A sliding window or soft-cap the backend cannot apply is a load error, not a wrong
-    answer (the options a layer passes: layers/attention.py's AttentionShape)."""
-    wanted = {k for layer in layers for k in getattr(getattr(layer, "attn", None), "options",
-                                                        {})}
-    if not wanted:
-        return
-    accepted = set(inspect.signature(backend.forward).parameters)
-    missing = sorted(wanted - accepted)
-    if missing:
-        raise ModelLoadError(f"this model needs {', '.join(missing)} in attention, which the "
-                             f"{type(backend).__name__} does not support yet")
-
-
 def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBackend,
                 max_positions: int, quantization: str | None = None,
                 quantize_lm_head: bool = True, fused: bool | None = None,
@@ -103,7 +87,6 @@ def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBacken
     parts = model_parts(spec, linear_method(quantization, device), max_positions, dtype,
                         device, is_fused, tp)
     layers = family.layers(parts, weights)
-    _check_backend_options(backend, layers)
     # NOTE: the loaded ModelWeights is not kept: its layer weights live on only in their
     # (possibly prepacked) kernels, so the model holds one copy of each.
     embed, head = head_and_embed(parts, weights, shard, quantize_lm_head,

@@ -11,7 +11,6 @@ Does not know: the projections (the family calls them), configs, requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -42,14 +41,6 @@ class AttentionShape:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def backend_options(self) -> dict[str, Any]:
-        """What the backend call adds for this layer (none for a plain causal layer)."""
-        opts: dict[str, Any] = {}
-        if self.sliding_window is not None:
-            opts["sliding_window"] = self.sliding_window
-        if self.logit_softcap is not None:
-            opts["logit_softcap"] = self.logit_softcap
-        return opts
 
 
 def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,7 +58,6 @@ class Attention:
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
         self.shape, self.rotary, self.ops = shape, rotary, ops
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.options = shape.backend_options()
 
     def __call__(self, ctx: ForwardContext, qkv: torch.Tensor) -> torch.Tensor:
         s = self.shape
@@ -90,7 +80,8 @@ class Attention:
         v = qkv[:, qk_size:].view(-1, s.num_kv_heads, s.head_dim)
         i = s.layer
         out = ctx.backend.forward(q, k, v, ctx.k_cache[i], ctx.v_cache[i], ctx.meta, s.scale,
-                                  ctx.kv_scale(i), **self.options)
+                                  ctx.kv_scale(i), window=s.sliding_window,
+                                  softcap=s.logit_softcap)
         return out.reshape(-1, s.q_size)  # (T, heads * head_dim)
 
     def _fused(self, ctx: ForwardContext, qkv: torch.Tensor) -> torch.Tensor:
@@ -114,5 +105,5 @@ class Attention:
         assert isinstance(backend, StoredKVAttention)
         q = qkv[:, : s.q_size].view(-1, s.num_heads, s.head_dim)  # (T, heads, D) rotated
         out = backend.attend(q, ctx.k_cache[i], ctx.v_cache[i], ctx.meta, s.scale, kv_scale,
-                             **self.options)
+                             window=s.sliding_window, softcap=s.logit_softcap)
         return out.reshape(-1, s.q_size)
