@@ -5,7 +5,8 @@ Owns: the run plan (models x batch sizes), HBM bandwidth measurement, timing off
 `LLM.generate` and HF `generate`, and the JSON + markdown report. Does not know: the engine's
 internals (bench/common/step_profile.py drives decode steps; gpu_models.py builds models).
 
-    python -m bench.gpu                       # the issue's table: 2 shapes x batch 1/16/64/256
+    python -m bench.gpu                       # the table: 3 shapes x batch 1/16/64/256
+    python -m bench.gpu --models qwen3-moe    # issue 39's MoE shape (64 experts, top-8)
     python -m bench.gpu --models smollm2-135m --batches 1,64 --no-hf   # quicker
     python -m bench.gpu --eager               # also radixserve with --enforce-eager
 

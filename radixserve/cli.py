@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=None,
                        dest="tensor_parallel_size",
                        help="split the model over N ranks (processes; one GPU each on CUDA)")
+    serve.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                       dest="enable_expert_parallel",
+                       help="MoE models: place num_experts / tensor_parallel_size whole "
+                            "experts on each rank instead of slicing every expert")
     serve.add_argument("--api-key", action="append", default=None, dest="api_keys",
                        help=f"accepted Bearer key (repeatable; also ${API_KEY_ENV})")
     serve.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction,
@@ -177,7 +181,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
-        "tensor_parallel_size", "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
+        "tensor_parallel_size", "enable_expert_parallel", "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
         "structured_outputs_allow_additional_properties", "enforce_eager"]
     engine_kwargs = given(engine_names)
     kv_zmq = None

@@ -160,3 +160,22 @@ def rope_qk_store_ref(
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * inter) -> (T, inter)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0
+                  ) -> torch.Tensor:  # (T, hidden)
+    """fused_moe pair by pair: each (token, expert) pair through its expert's weights
+    (gathered per pair), weighted, pairs of experts not held here zero, summed per token."""
+    num_tokens, top_k = topk_ids.shape
+    num_local, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    local = topk_ids.reshape(-1) - first_expert  # (P,)
+    held = (local >= 0) & (local < num_local)
+    e = local.clamp(0, num_local - 1)
+    rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # (P, hidden, 1)
+    gu = torch.bmm(gate_up[e], rows).squeeze(-1)  # (P, 2F)
+    act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # (P, F)
+    y = torch.bmm(down[e], act.unsqueeze(-1)).squeeze(-1)  # (P, hidden)
+    y = y * topk_weights.reshape(-1, 1).to(x.dtype)
+    y = torch.where(held.unsqueeze(1), y, torch.zeros_like(y))
+    return y.view(num_tokens, top_k, -1).sum(dim=1)

@@ -97,6 +97,9 @@ class EngineConfig:
     # Tensor parallelism (engine/tp_ranks.py): the model's layers split over this many ranks
     # (processes on torch.distributed: gloo on CPU, NCCL on CUDA), SGLang's multi-node names.
     tensor_parallel_size: int = 1
+    # A mixture-of-experts model's experts placed whole, E / N per rank, instead of every
+    # expert sliced over the ranks (vLLM's --enable-expert-parallel; attention stays TP).
+    enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous (several nodes)

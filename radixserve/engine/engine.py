@@ -29,6 +29,7 @@ from radixserve.ipc.messages import (
     CallResultMsg,
     GenerateMsg,
 )
+from radixserve.model.layers.moe_spec import moe_info
 from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
 from radixserve.types import Phase, TokenOutput
@@ -110,6 +111,8 @@ class Engine:
             "kv_offload": None if self.tiers is None else self.tiers.describe(),
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
             "tp_worker_pids": [] if r.tp_lead is None else r.tp_lead.pids,
+            "moe": moe_info(r.spec, self.cfg.tensor_parallel_size,
+                            self.cfg.enable_expert_parallel),
         }
 
     def add_request(self, msg: GenerateMsg) -> None:

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.step_inputs import StepInputs
 from radixserve.engine.tp_ranks import TPRank, TPWorkers, lead_rank
 from radixserve.engine.tp_step import pack_step
 from radixserve.model.arch import ModelArch
+from radixserve.model.families.registry import family_of
 from radixserve.model.tp_shard import TPShard
 from radixserve.parallel.comm import StepKind, TPComm
 
@@ -76,7 +77,11 @@ def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: 
     size = cfg.tensor_parallel_size
     workers = None
     if tp_rank is None:
-        TPShard(0, size, spec)  # raises ConfigError for a size the heads do not allow
+        if not family_of(spec.architecture).features.tensor_parallel:
+            raise ConfigError(f"{spec.architecture} does not support tensor parallelism yet "
+                              "(use --tensor-parallel-size 1)")
+        # raises ConfigError for a size the heads (or a MoE model's experts) do not allow
+        TPShard(0, size, spec, cfg.enable_expert_parallel)
         tp_rank = lead_rank(cfg)
         workers = TPWorkers(cfg, tp_rank)
         logger.info("tensor parallel: %d ranks (%d on this node), rendezvous %s", size,
@@ -89,4 +94,4 @@ def start_tp(cfg: EngineConfig, spec: ModelArch, device: torch.device, tp_rank: 
             workers.terminate()
         raise
     lead = None if workers is None else TPLead(comm, workers)
-    return TPShard(tp_rank.rank, size, spec), comm, lead
+    return TPShard(tp_rank.rank, size, spec, cfg.enable_expert_parallel), comm, lead

@@ -4,12 +4,14 @@ Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into
 read fused where the checkpoint stores them so: Phi-3's qkv_proj / gate_up_proj; a family's
 extra per-layer tensors such as QK-norms and Gemma's feed-forward norms: WeightNames),
 dtype/device placement, the loading progress bar, and reading only a tensor-parallel rank's
-slices (tp_shard.py says which). Does not know: the forward pass.
+slices (tp_shard.py says which); a MoE model's sparse layers read through
+layers/moe_weights.py (either expert layout, this rank's experts). Does not know: the
+forward pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.model.arch import ModelArch
+from radixserve.model.layers.moe import MoEWeights
+from radixserve.model.layers.moe_spec import moe_of
+from radixserve.model.layers.moe_weights import expert_part, load_moe_weights
 from radixserve.model_source import ModelLoadError
 
 if TYPE_CHECKING:
@@ -33,9 +38,10 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # ((heads + 2 * kv_heads) * head_dim,)
     o_proj: torch.Tensor  # (hidden, heads * head_dim)
     post_norm: torch.Tensor  # (hidden,)
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor  # (hidden, intermediate)
+    gate_up: torch.Tensor | None  # (2 * intermediate, hidden); None: a sparse (MoE) layer
+    down: torch.Tensor | None  # (hidden, intermediate)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # WeightNames.extra's
+    moe: MoEWeights | None = None  # a sparse layer's router and stacked experts
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ def load_weights(
             bar.update(1)
             return ckpt.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
 
-        return _load(spec, take, shard, "lm_head.weight" in ckpt.where, names)
+        return _load(spec, take, shard, ckpt.where.keys(), names)
 
 
 Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor
@@ -144,16 +150,25 @@ def _gate_up(spec: ModelArch, take: Take, p: str, mlp: slice | None, names: Weig
     return torch.cat([take(name, _shift(mlp, 0, inter)), take(name, _shift(mlp, inter, inter))])
 
 
-def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool,
+def _load(spec: ModelArch, take: Take, shard: TPShard | None, stored: Collection[str],
           names: WeightNames) -> ModelWeights:
     q = kv = mlp = vocab = None
     if shard is not None:
         q, kv, mlp = shard.q_rows(), shard.kv_rows(), shard.mlp_rows()
         vocab = slice(*shard.vocab_range)
+    has_lm_head = "lm_head.weight" in stored
+    moe = moe_of(spec)
+    part = None
+    if moe is not None:  # which experts (and which slice of each) this rank holds
+        part = expert_part(moe) if shard is None else shard.expert_part()
     layers = []
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         rows = {"q": q, "k": kv, "v": kv}
+        experts = None
+        if moe is not None and part is not None and moe.is_sparse(i):
+            experts = load_moe_weights(take, stored, p, moe, part)
+        sparse = experts is not None
         qkv = _qkv(spec, take, p, rows, names, "weight")
         bias = _qkv(spec, take, p, rows, names, "bias") if spec.qkv_bias else None
         layers.append(
@@ -163,9 +178,10 @@ def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool,
                 qkv_bias=bias,
                 o_proj=take(p + "self_attn.o_proj.weight", None, q),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=_gate_up(spec, take, p, mlp, names),
-                down=take(p + "mlp.down_proj.weight", None, mlp),
+                gate_up=None if sparse else _gate_up(spec, take, p, mlp, names),
+                down=None if sparse else take(p + "mlp.down_proj.weight", None, mlp),
                 extra={n: take(f"{p}{n}.weight") for n in names.extra},
+                moe=experts,
             )
         )
     embed = take("embed_tokens.weight", vocab)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from bench.common.gpu_models import SHAPES, save_tokenizer, shape_named
+from bench.common.gpu_models import SHAPES, hf_config, hf_model, save_tokenizer, shape_named
 from bench.common.step_profile import is_device_kernel, is_launch, union_us
 from bench.gpu import markdown
 from tests.repo import REPO_ROOT
@@ -29,13 +29,13 @@ def test_without_cuda_it_says_so_and_exits_2() -> None:
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_parameter_counts_are_hf_own(name: str) -> None:
     shape = SHAPES[name]
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
-                         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         tie_word_embeddings=shape.tied)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = hf_model(hf_config(shape, 4096))
     assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    if shape.experts:  # one token's experts: the top-k of each layer's
+        per_expert = 3 * shape.hidden * shape.expert_intermediate
+        inactive = shape.layers * (shape.experts - shape.top_k) * per_expert
+        assert shape.num_params(active=True) == shape.num_params() - inactive
 
 
 def test_shapes_match_the_issue() -> None:

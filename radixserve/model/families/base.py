@@ -89,6 +89,7 @@ class ModelParts:
         return Attention(shape, self.rotary(rope), self.ops, q_norm, k_norm)
 
     def mlp(self, i: int, lw: LayerWeights, act: str = "silu") -> GatedMLP:
+        assert lw.gate_up is not None and lw.down is not None, f"layer {i} is sparse (MoE)"
         down = RowParallelLinear(self.method.create(lw.down, None), "down_proj", i,
                                  (self.spec.hidden_size,), tp=self.tp)
         packed = None if self.fused or act != "silu" else self.method.packed_halves(lw.gate_up)

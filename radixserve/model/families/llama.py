@@ -41,14 +41,16 @@ class LlamaLayer:
         self.mlp.into(ctx, stream, self.post_norm.of(stream, check))
 
 
-def llama_layer(parts: ModelParts, i: int, lw: LayerWeights) -> LlamaLayer:
+def llama_layer(parts: ModelParts, i: int, lw: LayerWeights, mlp: FeedForward | None = None
+                ) -> LlamaLayer:
+    """`mlp`: the feed-forward slot where it is not the dense gated MLP (a MoE block)."""
     s = parts.spec
     qk = None
     if s.qk_norm:
         qk = (parts.norm(lw.extra["self_attn.q_norm"]), parts.norm(lw.extra["self_attn.k_norm"]))
     attn = parts.attention(i, s.rope, window=s.window(i), qk_norm=qk)
     return LlamaLayer(i, parts.norm(lw.input_norm), parts.qkv(i, lw), attn, parts.o_proj(i, lw),
-                      parts.norm(lw.post_norm), parts.mlp(i, lw, s.hidden_act))
+                      parts.norm(lw.post_norm), mlp or parts.mlp(i, lw, s.hidden_act))
 
 
 def llama_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLayer]:

@@ -20,8 +20,11 @@ from radixserve.model.families.base import CausalLM, head_and_embed, model_parts
 from radixserve.model.families.family import Family
 from radixserve.model.families.gemma import GEMMA2, GEMMA3_FAMILY
 from radixserve.model.families.llama import LLAMA, MISTRAL, QWEN2
+from radixserve.model.families.mixtral import MIXTRAL
+from radixserve.model.families.olmoe import OLMOE
 from radixserve.model.families.phi3 import PHI3
 from radixserve.model.families.qwen3 import QWEN3
+from radixserve.model.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from radixserve.model.layers.linear import linear_method
 from radixserve.model.weights import ModelWeights
 from radixserve.model_source import ModelLoadError
@@ -30,7 +33,8 @@ if TYPE_CHECKING:
     from radixserve.model.tp_shard import TPShard
     from radixserve.parallel.comm import TPComm
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_FAMILY, PHI3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_FAMILY, PHI3,
+                                QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
 
 
 def supported_architectures() -> tuple[str, ...]:

@@ -132,6 +132,7 @@ async def server_info(request: web.Request) -> web.Response:
         "kv_cache_dtype": info.get("kv_cache_dtype"),
         "kv_cache_bytes": info.get("kv_cache_bytes"),
         "max_concurrency": info.get("max_concurrency"),
+        "moe": info.get("moe"),  # experts, top-k, experts per rank (None: a dense model)
         "engine_info": info,
         "engine_config": dataclasses.asdict(cfg.engine),
         "server_config": server,

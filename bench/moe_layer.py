@@ -1,0 +1,119 @@
+"""The CPU MoE layer's cost: where its time goes (routing, grouping, scatter vs the GEMMs).
+
+Owns: a random MoE layer in the issue's shape (hidden 1024, 32 experts, top-4, expert width
+512), timing the whole block and its expert GEMMs alone on the same grouping, and the report.
+Does not know: the engine or the rest of the model.
+
+    python -m bench.moe_layer                 # fp32 and bf16, batch 1, 16, 64
+    python -m bench.moe_layer --batch 64 --dtype bf16 --reps 30
+    python -m bench.moe_layer --threads 1 --clock cpu   # on a machine shared with others
+
+"non-GEMM share" = the median over rounds of 1 - (the expert GEMM loop alone) / (the whole
+block), the two timed in turn in each round (a shared machine's load hits both): routing (router
+linear, softmax, top-k), the sort, the row gather, the weighting and the index_add scatter.
+Also printed: the same layer's expert weights read per step, against a dense gated MLP of the
+active width (top_k * expert width), timed alike, to show that a step touches only the
+experts it routes to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from radixserve.model.cpu_linear import GatedMLP
+from radixserve.model.layers.moe import MoEBlock, MoEWeights, expert_gemms, group_by_expert, route
+from radixserve.model.layers.moe_spec import MoESpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _interleaved_ms(fns: list[Callable[[], object]], reps: int,
+                    clock: Callable[[], float] = time.perf_counter) -> list[list[float]]:
+    """Each fn's times (ms) over `reps` rounds, the fns run in turn within a round: under a
+    shared machine's load they see the same conditions, so their ratio per round is fair."""
+    for fn in fns:
+        fn()
+        fn()  # warm: oneDNN primitives, allocator
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times, strict=True):
+            t0 = clock()
+            fn()
+            ts.append((clock() - t0) * 1e3)
+    return times
+
+
+def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype) -> MoEBlock:
+    g = torch.Generator().manual_seed(0)
+    e, f = spec.num_experts, spec.expert_size
+
+    def w(*shape: int) -> torch.Tensor:
+        t: torch.Tensor = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+        return t.to(dtype)
+
+    return MoEBlock(spec, MoEWeights(router=w(e, hidden), gate_up=w(e, 2 * f, hidden),
+                                     down=w(e, hidden, f)))
+
+
+def measure(batch: int, dtype: torch.dtype, reps: int, spec: MoESpec, hidden: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    block = _layer(spec, hidden, dtype)
+    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    routing = route(x, block.router, spec.top_k, spec.renormalize)
+    groups = group_by_expert(routing.expert_ids, spec.num_experts, 0, spec.num_experts)
+    rows = x.index_select(0, groups.token_rows)
+    active = spec.top_k * spec.expert_size
+    gu = (torch.randn(2 * active, hidden) * hidden**-0.5).to(dtype)
+    dn = (torch.randn(hidden, active) * active**-0.5).to(dtype)
+    dense = GatedMLP(gu, dn)
+    total, gemms, dense_ms = _interleaved_ms(
+        [lambda: block(x, x),
+         lambda: expert_gemms(rows, groups.counts, block.gate_up, block.down, block.packed),
+         lambda: dense(x, x)], reps, clock)
+    share = statistics.median(1 - g / t for g, t in zip(gemms, total, strict=True))
+    return {"batch": batch, "block_ms": statistics.median(total),
+            "gemm_ms": statistics.median(gemms), "non_gemm_share": share,
+            "active_experts": sum(1 for c in groups.counts if c),
+            "dense_active_ms": statistics.median(dense_ms)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--expert-size", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (time.process_time), which a machine "
+                         "shared with other jobs inflates far less than wall time; use it "
+                         "with --threads 1 (idle OpenMP workers spin and count)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    spec = MoESpec(num_experts=args.experts, top_k=args.top_k, expert_size=args.expert_size,
+                   renormalize=True)
+    print(f"MoE layer: hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
+          f"expert width {args.expert_size}; threads {torch.get_num_threads()}, "
+          f"{args.clock} clock, median of {args.reps}")
+    print(f"{'dtype':>5} {'batch':>5} {'block ms':>9} {'GEMMs ms':>9} {'non-GEMM':>9} "
+          f"{'experts':>7} {'dense(active) ms':>16}")
+    for name in args.dtype:
+        for batch in args.batch:
+            r = measure(batch, DTYPES[name], args.reps, spec, args.hidden, clock)
+            print(f"{name:>5} {batch:>5} {r['block_ms']:9.3f} {r['gemm_ms']:9.3f} "
+                  f"{r['non_gemm_share']:9.1%} {int(r['active_experts']):>7} "
+                  f"{r['dense_active_ms']:16.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""What the mixture-of-experts families share: the sparse feed-forward slot and the layers.
+
+Owns: SparseMoE (the FeedForward slot over layers/moe.py's MoEBlock: the residual add, and
+under tensor or expert parallelism the one all-reduce of the ranks' partial sums, rank 0
+alone adding the residual) and moe_layers (Llama's decoder layer with the MoE block on the
+sparse layers and the dense gated MLP on the others: Qwen-MoE's mlp_only_layers and
+decoder_sparse_step). Does not know: any family's config keys (qwen_moe.py, mixtral.py,
+olmoe.py), the expert kernels (layers/moe.py, triton_kernels/fused_moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.model.families.base import DecoderLayer, ModelParts
+from radixserve.model.families.llama import llama_layer
+from radixserve.model.layers.context import ForwardContext
+from radixserve.model.layers.linear import FloatMethod
+from radixserve.model.layers.moe import MoEBlock
+from radixserve.model.layers.moe_spec import moe_of
+from radixserve.model.layers.norm import Residual
+from radixserve.model.weights import LayerWeights, ModelWeights
+from radixserve.model_source import ModelLoadError
+
+if TYPE_CHECKING:
+    from radixserve.parallel.comm import TPComm
+
+
+class SparseMoE:
+    """stream += MoE(x): the experts' weighted sum (+ the gated shared expert)."""
+
+    def __init__(self, block: MoEBlock, tp: TPComm | None) -> None:
+        self.block, self.tp = block, tp
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.nbytes
+
+    def into(self, ctx: ForwardContext, stream: Residual, x: torch.Tensor) -> None:
+        if stream.fused:  # the next norm adds it, fused
+            stream.add(self(ctx, x))
+            return
+        if self.tp is None:
+            stream.h = self.block(x, stream.h)  # (T, hidden): residual + experts, HF's order
+            return
+        # Rank 0 alone adds the residual, so the all-reduced sum is the new residual.
+        part = self.block(x, stream.h if self.tp.is_lead else None)
+        stream.h = self.tp.all_reduce(part)
+
+    def __call__(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x, None, ctx.fused)  # (T, hidden): this rank's partial sum
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def sparse_mlp(parts: ModelParts, lw: LayerWeights) -> SparseMoE:
+    moe = moe_of(parts.spec)
+    assert moe is not None and lw.moe is not None
+    if not isinstance(parts.method, FloatMethod):
+        raise ModelLoadError("--quantization int8 does not cover a mixture-of-experts model's "
+                             "experts yet: serve it in its dtype (no --quantization)")
+    # Prepacked experts on CPU (oneDNN); the fused (CUDA) path runs the stacked weights.
+    return SparseMoE(MoEBlock(moe, lw.moe, prepacked=not parts.fused), parts.tp)
+
+
+def moe_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLayer]:
+    """Llama's layer order; the MoE block where the layer is sparse, else the dense MLP."""
+    return [llama_layer(parts, i, lw, sparse_mlp(parts, lw) if lw.moe is not None else None)
+            for i, lw in enumerate(weights.layers)]

@@ -1,0 +1,207 @@
+"""The mixture-of-experts feed-forward block: router, top-k, grouped expert GEMMs, shared expert.
+
+Owns: the routing math (router linear, softmax over experts in fp32, top-k, renormalised or
+not: HF's TopKRouter order), the CPU grouped-expert compute, Qwen2-MoE's sigmoid-gated shared
+expert, and the partial-sum contract under tensor / expert parallelism. On the model's fused
+path (CUDA's Triton backend) the experts run as one Triton fused MoE
+(triton_kernels/fused_moe.py), else as the grouped compute below. Does not know: checkpoints
+(moe_weights.py), attention, the decoder loop, collectives (the caller all-reduces).
+
+CPU grouped compute (no loop over tokens): the (token, expert) pairs are sorted once by expert
+(a stable sort: each expert's tokens stay in token order), the sorted pairs' rows gathered
+with one index_select, then one gate_up GEMM, SiLU * up and one down GEMM per *active* expert
+over its contiguous rows (a decode step at batch 1 touches only its k experts' weights), the
+top-k weights applied in one multiply and the rows scattered back with one index_add_ (in
+sorted order: each token's experts are summed in ascending expert order, as HF sums them).
+Where oneDNN prepacking applies (cpu_linear.py's rule), each expert's gate, up and down are
+prepacked at load (replacing the stacked copy) and run with the silu and the product as GEMM
+epilogues, as the dense GatedMLP does.
+
+Parallelism: with expert parallelism a rank holds experts [first_expert, first_expert + E/N)
+whole and computes only the pairs routed to them; with tensor parallelism every rank holds a
+slice of every expert's intermediate width. Either way the block returns this rank's partial
+sum, and the caller's one all-reduce adds the ranks' partials (the residual comes in on one
+rank only, as for the dense MLP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.model.cpu_linear import GatedMLP, prepack
+from radixserve.model.layers.moe_spec import MoESpec
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # (T, k) in the activations' dtype
+    expert_ids: torch.Tensor  # (T, k) int64, global expert indices
+
+
+@dataclass
+class MoEWeights:
+    """One sparse layer's weights as this rank holds them (stacked once at load)."""
+
+    router: torch.Tensor  # (E, hidden): every rank routes over all experts
+    gate_up: torch.Tensor  # (E_local, 2 * F_local, hidden): gate rows, then up rows
+    down: torch.Tensor  # (E_local, hidden, F_local)
+    first_expert: int = 0  # global index of gate_up[0] (expert parallelism)
+    shared_gate_up: torch.Tensor | None = None  # (2 * S_local, hidden) Qwen2-MoE
+    shared_down: torch.Tensor | None = None  # (hidden, S_local)
+    shared_gate: torch.Tensor | None = None  # (1, hidden): sigmoid(x @ shared_gate.T)
+
+    @property
+    def nbytes(self) -> int:
+        ts = (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
+              self.shared_gate)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """HF's TopKRouter: softmax over the router logits in fp32, top-k, optionally divided by
+    the top-k sum, then cast to x's dtype."""
+    logits = F.linear(x, router)  # (T, E)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k) each
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights.to(x.dtype), ids)
+
+
+class ExpertGroups(NamedTuple):
+    pairs: torch.Tensor  # (P,) flat pair index (token * k + slot) of the local pairs, by expert
+    token_rows: torch.Tensor  # (P,) the token of each pair
+    counts: list[int]  # pairs per local expert, in expert order (sum = P)
+
+
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int, first_expert: int,
+                    num_local: int) -> ExpertGroups:
+    """The pairs routed to experts [first_expert, first_expert + num_local), sorted by expert
+    (stable: token order within an expert). One sort, one bincount, one host read of the
+    counts (free on CPU; the CUDA path never calls this)."""
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # (T * k,)
+    order = torch.argsort(flat, stable=True)  # (T * k,) pairs by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    start = sum(counts[:first_expert])
+    local = counts[first_expert : first_expert + num_local]
+    pairs = order[start : start + sum(local)]  # (P,)
+    return ExpertGroups(pairs, pairs // top_k, local)
+
+
+PackedExpert = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # oneDNN gate, up, down
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> list[PackedExpert] | None:
+    """Each expert's gate, up and down in oneDNN's prepacked layout (cpu_linear.py: faster
+    than F.linear on the plain weight at a decode step's few rows), or None where that does
+    not apply (CUDA, a dtype or build without it)."""
+    inter = gate_up.shape[1] // 2
+    packed = []
+    for e in range(gate_up.shape[0]):
+        parts = (prepack(gate_up[e, :inter]), prepack(gate_up[e, inter:]), prepack(down[e]))
+        if parts[0] is None or parts[1] is None or parts[2] is None:
+            return None
+        packed.append((parts[0], parts[1], parts[2]))
+    return packed
+
+
+def _packed_expert(rows: torch.Tensor, expert: PackedExpert) -> torch.Tensor:  # (n, hidden)
+    gate, up, down = expert
+    lp = torch.ops.mkldnn._linear_pointwise
+    act = lp(rows, gate, None, "swish", [], "")  # silu(rows @ gate.T): (n, F)
+    act = lp.binary(rows, act, up, None, "mul")  # (rows @ up.T) * act
+    out: torch.Tensor = lp(act, down, None, "none", [], "")
+    return out
+
+
+def expert_gemms(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor | None,
+                 down: torch.Tensor | None, packed: list[PackedExpert] | None = None
+                 ) -> torch.Tensor:  # (P, hidden)
+    """down(silu(gate(rows)) * up(rows)) with expert e's weights on its run of `counts[e]`
+    contiguous rows: one GEMM pair per active expert, nothing for an idle one. `packed`:
+    the experts' oneDNN layout (pack_experts) in place of the stacked weights."""
+    outs, end = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        start, end = end, end + n
+        if packed is not None:
+            outs.append(_packed_expert(rows[start:end], packed[e]))
+            continue
+        assert gate_up is not None and down is not None
+        gu = F.linear(rows[start:end], gate_up[e])  # (n, 2 * F)
+        inter = gu.shape[1] // 2
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]  # (n, F)
+        outs.append(F.linear(act, down[e]))  # (n, hidden)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def grouped_experts(x: torch.Tensor, routing: Routing, gate_up: torch.Tensor | None,
+                    down: torch.Tensor | None, num_experts: int, first_expert: int = 0,
+                    packed: list[PackedExpert] | None = None
+                    ) -> torch.Tensor:  # (T, hidden): this rank's experts' weighted sum
+    """sum over each token's local top-k experts of weight * down(silu(gate(x)) * up(x)),
+    with one GEMM pair per active expert over its contiguous sorted rows."""
+    if packed is not None:
+        num_local = len(packed)
+    else:
+        assert gate_up is not None
+        num_local = int(gate_up.shape[0])
+    groups = group_by_expert(routing.expert_ids, num_experts, first_expert, num_local)
+    out = x.new_zeros(x.shape)  # (T, hidden)
+    if groups.pairs.numel() == 0:
+        return out
+    rows = x.index_select(0, groups.token_rows)  # (P, hidden) grouped by expert
+    expert_out = expert_gemms(rows, groups.counts, gate_up, down, packed)  # (P, hidden)
+    weights = routing.weights.reshape(-1).index_select(0, groups.pairs)  # (P,)
+    expert_out.mul_(weights.unsqueeze(1))
+    return out.index_add_(0, groups.token_rows, expert_out)
+
+
+class MoEBlock:
+    """residual + experts(x) (+ the gated shared expert); without the residual where it is
+    None (a parallel rank's partial sum). Called like cpu_linear.GatedMLP."""
+
+    def __init__(self, spec: MoESpec, weights: MoEWeights, prepacked: bool = True) -> None:
+        self.spec = spec
+        self.router = weights.router
+        self.num_local_experts = int(weights.gate_up.shape[0])
+        self.packed = pack_experts(weights.gate_up, weights.down) if prepacked else None
+        # NOTE: the packed copies replace the stacked weights: one copy in memory.
+        self.gate_up: torch.Tensor | None = weights.gate_up if self.packed is None else None
+        self.down: torch.Tensor | None = weights.down if self.packed is None else None
+        self.first_expert = weights.first_expert
+        self.shared: GatedMLP | None = None
+        self.shared_gate = weights.shared_gate
+        if weights.shared_gate_up is not None:
+            assert weights.shared_down is not None and weights.shared_gate is not None
+            self.shared = GatedMLP(weights.shared_gate_up, weights.shared_down,
+                                   prepacked=prepacked)
+        self.nbytes = weights.nbytes  # the shared expert's prepacked copy is the same size
+
+    def experts(self, x: torch.Tensor, routing: Routing, fused: bool = False
+                ) -> torch.Tensor:  # (T, hidden)
+        """`fused`: the Triton fused MoE (the model's fused path: CUDA, or the interpreter)."""
+        if fused:
+            # Imported here: triton is never needed on the CPU path.
+            from triton_kernels.fused_moe import fused_moe
+
+            assert self.gate_up is not None and self.down is not None
+            return fused_moe(x, routing.weights, routing.expert_ids, self.gate_up, self.down,
+                             first_expert=self.first_expert)
+        return grouped_experts(x, routing, self.gate_up, self.down, self.spec.num_experts,
+                               self.first_expert, self.packed)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 fused: bool = False) -> torch.Tensor:
+        routing = route(x, self.router, self.spec.top_k, self.spec.renormalize)
+        out = self.experts(x, routing, fused)  # (T, hidden)
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            gate = torch.sigmoid(F.linear(x, self.shared_gate))  # (T, 1)
+            out = out + gate * self.shared(x, None)
+        return out if residual is None else residual + out

@@ -1,0 +1,136 @@
+"""Reading one sparse layer's expert weights from either checkpoint layout, stacked per layer.
+
+Owns: the two layouts' tensor names, which experts and which slice of each expert one rank
+reads (`ExpertPart`: expert parallelism or tensor parallelism), the divisibility refusals, and
+stacking per-expert tensors into one (E_local, ...) tensor at load (no per-expert Python runs
+at forward time). Does not know: the forward (moe.py), the rest of the model's weights.
+
+Layouts (names after the "model." prefix, layer prefix `layers.{i}.`):
+- per expert, as transformers writes them on save (4.x and 5.x alike):
+  `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight` (Qwen-MoE, OLMoE) or
+  `block_sparse_moe.experts.{e}.w1/w3/w2.weight` (Mixtral: w1 gate, w3 up, w2 down), the
+  router `mlp.gate.weight` / `block_sparse_moe.gate.weight`;
+- packed, transformers 5's in-memory layout: `mlp.experts.gate_up_proj` (E, 2F, hidden; gate
+  rows then up rows) and `mlp.experts.down_proj` (E, hidden, F), router `mlp.gate.weight`.
+Qwen2-MoE's shared expert: `mlp.shared_expert.{gate,up,down}_proj.weight` and
+`mlp.shared_expert_gate.weight`, in both layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.config.parsing import ConfigError
+from radixserve.model.layers.moe import MoEWeights
+from radixserve.model.layers.moe_spec import MoESpec
+from radixserve.model_source import ModelLoadError
+
+Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor on the device
+_PER_EXPERT = {"mlp": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe": ("w1", "w3", "w2")}
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """The experts [first_expert, first_expert + num_local) and, of each, the intermediate
+    rows `rows` (None: all) one rank holds; `shared_rows` likewise of the shared expert."""
+
+    first_expert: int
+    num_local: int
+    rows: slice | None = None
+    shared_rows: slice | None = None
+
+
+def _slice(rank: int, size: int, total: int) -> slice:
+    n = total // size
+    return slice(rank * n, (rank + 1) * n)
+
+
+def check_moe_parallel(spec: MoESpec, size: int, expert_parallel: bool) -> None:
+    """Raises ConfigError when `size` ranks cannot split this model's experts evenly."""
+    problems = []
+    if expert_parallel and spec.num_experts % size:
+        ok = [n for n in range(1, 17) if spec.num_experts % n == 0]
+        problems.append(f"--enable-expert-parallel places num_experts / tensor_parallel_size "
+                        f"experts on each rank, but the model's {spec.num_experts} experts are "
+                        f"not divisible by {size} (sizes that divide them: "
+                        f"{', '.join(map(str, ok))})")
+    if not expert_parallel and spec.expert_size % size:
+        problems.append(f"each expert's intermediate size {spec.expert_size} is not divisible "
+                        f"by tensor_parallel_size {size} (try --enable-expert-parallel)")
+    if spec.shared_expert_size % size:
+        problems.append(f"the shared expert's intermediate size {spec.shared_expert_size} is "
+                        f"not divisible by tensor_parallel_size {size}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def expert_part(spec: MoESpec, rank: int = 0, size: int = 1,
+                expert_parallel: bool = False) -> ExpertPart:
+    """Rank `rank` of `size`'s part (size 1: everything)."""
+    check_moe_parallel(spec, size, expert_parallel)
+    shared = _slice(rank, size, spec.shared_expert_size) if size > 1 else None
+    if expert_parallel:
+        local = spec.num_experts // size
+        return ExpertPart(rank * local, local, None, shared)
+    rows = _slice(rank, size, spec.expert_size) if size > 1 else None
+    return ExpertPart(0, spec.num_experts, rows, shared)
+
+
+def _stack_per_expert(take: Take, base: str, names: tuple[str, str, str], spec: MoESpec,
+                      part: ExpertPart) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_n, up_n, down_n = names
+    experts = range(part.first_expert, part.first_expert + part.num_local)
+    first = take(f"{base}.{experts[0]}.{gate_n}.weight", part.rows)  # (F_local, hidden)
+    inter, hidden = first.shape
+    gate_up = first.new_empty(part.num_local, 2 * inter, hidden)  # (E_local, 2F, hidden)
+    down = first.new_empty(part.num_local, hidden, inter)  # (E_local, hidden, F)
+    for j, e in enumerate(experts):
+        gate_up[j, :inter] = first if j == 0 else take(f"{base}.{e}.{gate_n}.weight", part.rows)
+        gate_up[j, inter:] = take(f"{base}.{e}.{up_n}.weight", part.rows)
+        down[j] = take(f"{base}.{e}.{down_n}.weight", None, part.rows)
+    return gate_up, down
+
+
+def _packed(take: Take, base: str, spec: MoESpec, part: ExpertPart
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    experts = slice(part.first_expert, part.first_expert + part.num_local)
+    if part.rows is None:
+        return take(f"{base}.gate_up_proj", experts), take(f"{base}.down_proj", experts)
+    f = spec.expert_size
+    up_rows = slice(f + part.rows.start, f + part.rows.stop)
+    gate_up = torch.cat([take(f"{base}.gate_up_proj", experts, part.rows),
+                         take(f"{base}.gate_up_proj", experts, up_rows)], dim=1)
+    down = take(f"{base}.down_proj", experts)[:, :, part.rows].contiguous()  # (E, hidden, F)
+    return gate_up, down
+
+
+def load_moe_weights(take: Take, names: Collection[str], prefix: str, spec: MoESpec,
+                     part: ExpertPart) -> MoEWeights:
+    """Layer `prefix` ("layers.{i}.")'s MoE weights in whichever layout `names` (the
+    checkpoint's tensor names) holds."""
+    block = "block_sparse_moe" if f"{prefix}block_sparse_moe.gate.weight" in names else "mlp"
+    base = f"{prefix}{block}.experts"
+    if f"{base}.gate_up_proj" in names:
+        gate_up, down = _packed(take, base, spec, part)
+    elif f"{base}.{part.first_expert}.{_PER_EXPERT[block][0]}.weight" in names:
+        gate_up, down = _stack_per_expert(take, base, _PER_EXPERT[block], spec, part)
+    else:
+        raise ModelLoadError(f"layer {prefix!r}: no expert weights found (looked for "
+                             f"{base}.gate_up_proj and {base}.<i>.{_PER_EXPERT[block][0]})")
+    expected = (part.num_local, 2 * (spec.expert_size if part.rows is None
+                                     else part.rows.stop - part.rows.start))
+    if tuple(gate_up.shape[:2]) != expected:
+        raise ModelLoadError(f"{base}: expert weights of shape {tuple(gate_up.shape)}, "
+                             f"expected {expected} + (hidden,)")
+    weights = MoEWeights(router=take(f"{prefix}{block}.gate.weight"), gate_up=gate_up,
+                         down=down, first_expert=part.first_expert)
+    if spec.shared_expert_size:
+        s = f"{prefix}mlp.shared_expert."
+        weights.shared_gate_up = torch.cat([take(s + "gate_proj.weight", part.shared_rows),
+                                            take(s + "up_proj.weight", part.shared_rows)])
+        weights.shared_down = take(s + "down_proj.weight", None, part.shared_rows)
+        weights.shared_gate = take(f"{prefix}mlp.shared_expert_gate.weight")
+    return weights
