@@ -53,13 +53,13 @@ class NativeExtension:
     # compile flags besides the tier's -march (-ffast-math goes to the compile step only: a
     # link with it would add crtfastmath, flush-to-zero for the whole process)
     cflags: tuple[str, ...] = ("-O3", "-ffast-math", "-fopenmp")
+    header_dirs: tuple[Path, ...] = ()  # other folders whose headers the sources include
 
     def flags(self, tier: CpuIsa) -> tuple[str, ...]:
-        return (*self.cflags, *march_flags(tier), f"-DRADIXSERVE_OPS_NS={ops_namespace(tier)}",
-                f"-DRADIXSERVE_TIER_{tier.name}=1")
+        return (*self.cflags, *march_flags(tier), f"-DRADIXSERVE_OPS_NS={ops_namespace(tier)}")
 
     def headers(self) -> tuple[Path, ...]:
-        folders = sorted({s.parent for s in self.sources})
+        folders = sorted({s.parent for s in self.sources} | set(self.header_dirs))
         return tuple(sorted(h for d in folders for h in d.glob("*.h")))
 
     def digest(self, tier: CpuIsa) -> str:

@@ -132,6 +132,8 @@ async def server_info(request: web.Request) -> web.Response:
         "kv_cache_dtype": info.get("kv_cache_dtype"),
         "kv_cache_bytes": info.get("kv_cache_bytes"),
         "max_concurrency": info.get("max_concurrency"),
+        # the native CPU kernels' tier, e.g. "avx2 (no AVX-512 on this CPU)"; null off CPU
+        "cpu_kernels": info.get("cpu_kernels"),
         "engine_info": info,
         "engine_config": dataclasses.asdict(cfg.engine),
         "server_config": server,
