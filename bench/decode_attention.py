@@ -41,6 +41,7 @@ from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import load_paged_decode
 from radixserve.attention.kv_quant import KV_DTYPES, KVScale, quantize, scales_from_amax
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.platform.kernels import kernel_tier_line
 from radixserve.types import Phase
 
 HQ, HKV, D = 9, 3, 64
@@ -148,6 +149,7 @@ def main() -> None:
         print(f"{name:24s} {ms:8.1f} ms/step   ({med[0] / ms:.2f}x; time ratio {ms / med[0]:.2f},"
               f" per round {rounds:.2f})")
     print(f"max |difference| of the last layer's output: {diff:.2e}")
+    print(f"CPU kernels: {kernel_tier_line()} (cap with RADIXSERVE_CPU_ISA=<tier>)")
 
 
 if __name__ == "__main__":

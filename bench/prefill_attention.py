@@ -26,6 +26,7 @@ from bench.decode_attention import step as forward  # LAYERS x backend.forward, 
 from radixserve.attention.base import AttentionMetadata
 from radixserve.attention.cpu_kernels import load_prefill_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.platform.kernels import kernel_tier_line
 from radixserve.types import Phase
 
 LAYERS = 30  # SmolLM2-135M's
@@ -81,6 +82,7 @@ def main() -> None:
     print(f"  torch  (query chunks + flash): {med['torch']:8.1f} ms/forward")
     print(f"  native (prefill_attention):    {med['native']:8.1f} ms/forward")
     print(f"  ratio {med['torch'] / med['native']:.2f}x   max |difference| {diff:.2e}")
+    print(f"CPU kernels: {kernel_tier_line()} (cap with RADIXSERVE_CPU_ISA=<tier>)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch  # importing torch does not import triton
@@ -45,6 +47,51 @@ def _native_cpu_kernels_built() -> None:
 
     load_paged_decode()
     load_int8_gemm()  # and the int8 GEMM (tests/model/test_int8_kernel.py)
+
+
+# The CPU tiers this host executes (RADIXSERVE_CPU_ISA can select each): the native-kernel tests
+# run under every one. The best tier runs a module's full set; a lower tier every third case
+# (chosen by the case's id, so the same ones each run) and every case without parameters.
+from radixserve.platform.cpu_isa import ENV_CPU_ISA, CpuIsa, host_tiers  # noqa: E402
+
+HOST_TIERS = host_tiers()
+
+
+@pytest.fixture(params=[t.value for t in HOST_TIERS])
+def cpu_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CpuIsa:
+    """Run the test with its native kernels at one tier ($RADIXSERVE_CPU_ISA)."""
+    tier = CpuIsa(request.param)
+    callspec = getattr(request.node, "callspec", None)
+    if tier is not HOST_TIERS[-1] and callspec is not None and len(callspec.params) > 1:
+        case = request.node.name.replace(f"{tier.value}-", "").replace(f"-{tier.value}", "")
+        if zlib.crc32(f"{request.node.module.__name__}::{case}".encode()) % 3:
+            pytest.skip(f"{tier.value}: a representative third of the cases; the best tier "
+                        f"({HOST_TIERS[-1].value}) runs them all")
+    monkeypatch.setenv(ENV_CPU_ISA, tier.value)
+    return tier
+
+
+@pytest.fixture
+def broken_native_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process whose native builds fail (a compiler error), whatever is already loaded or
+    cached: the loaders must fall back to torch. Failure markers go to a temporary folder."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from radixserve.platform import kernels, native_build
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("Error building extension 'x':\nk.cpp:1:1: error: no compiler here")
+
+    def new_process() -> None:
+        native_build.build_extension.cache_clear()
+        kernels._load.cache_clear()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(native_build.NativeExtension, "registered", lambda self, tier: False)
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    new_process()
+    yield
+    new_process()
 
 
 @pytest.fixture(scope="session")

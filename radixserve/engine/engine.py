@@ -101,6 +101,7 @@ class Engine:
             "dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device),
             "quantization": self.cfg.quantization,
             "eos_token_ids": list(r.eos_token_ids), "attention_backend": r.backend_name,
+            "cpu_kernels": r.cpu_kernels,
             "disable_radix_cache": self.cfg.disable_radix_cache,
             "schedule_policy": self.cfg.schedule_policy.value,
             "chunked_prefill_size": self.cfg.chunked_prefill_size,

@@ -35,8 +35,10 @@ from radixserve.model.families.registry import build_model, family_of, read_mode
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
+from radixserve.platform.cpu_isa import CpuIsaError, choose_tier
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
+from radixserve.platform.kernels import kernel_tier_line
 from radixserve.sched.req import Batch
 from radixserve.types import Phase
 
@@ -90,6 +92,11 @@ class ModelRunner:
             threads = choose_num_threads(cfg.num_threads, tp_size)
             torch.set_num_threads(threads.num_threads)
             logger.info("torch threads: %d (%s)", threads.num_threads, threads.reason)
+        if self.device.type == "cpu":
+            try:  # a bad RADIXSERVE_CPU_ISA fails the load before the weights do
+                choose_tier()
+            except CpuIsaError as e:
+                raise ConfigError(str(e)) from None
         if self.device.type == "cpu" and keep_freed_memory():
             logger.info("malloc: freed memory kept in the heap (RADIXSERVE_DEFAULT_MALLOC=1: off)")
         self.resolved: ResolvedModel = resolve_model(cfg.model)
@@ -110,6 +117,10 @@ class ModelRunner:
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
                                show_progress, shard, family_of(self.spec.architecture).weight_names)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
+        # which native tier runs (its build and any fallback happened just above)
+        self.cpu_kernels = kernel_tier_line() if self.device.type == "cpu" else None
+        if self.cpu_kernels is not None:
+            logger.info("CPU kernels: %s", self.cpu_kernels)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
         self.model = build_model(model_spec, weights, backend, self.max_model_len,
                                  cfg.quantization, tp=self.tp, shard=shard)

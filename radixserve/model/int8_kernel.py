@@ -1,16 +1,15 @@
 """The native weight-only int8 GEMM for CPU: weight layout, build, load, reference.
 
 Owns: the packed weight layout the kernel reads (`pack_int8_weight` / `unpack_int8_weight`),
-compiling csrc/int8_packed_gemm.cpp with torch's C++ extension loader (as the attention kernel
-is built: attention/cpu_kernels.py; cached per source version and CPU flags, -march=native,
--ffast-math on the compile step only), the op `torch.ops.radixserve.int8_packed_gemm`, and
+loading csrc/int8_packed_gemm.cpp's op `int8_packed_gemm` at the process's CPU tier
+(platform/kernels.py's INT8_GEMM, built per tier), and
 `int8_gemm_reference`, its specification in float64. Does not know: layers, configs (quant.py's
 Int8Linear holds the weight and calls the op).
 
 The op: y (M, N) = x (M, K) @ (q (N, K) int8 * scale (N,) fp32).T, with q given packed, x
 float32 or bfloat16, y in x's dtype, fp32 accumulation. On a CPU with AVX512-BF16 x is rounded
 to bf16 and the int8 weights are widened to bf16 in the kernel (vdpbf16ps); elsewhere the same
-tiling runs in fp32 (`torch.ops.radixserve.int8_packed_gemm_uses_bf16()` says which).
+tiling runs in fp32, 8-wide FMAs on AVX2 (the op `int8_packed_gemm_uses_bf16()` says which).
 
 Packed layout: (ceil(N / 16), ceil(K / 2), 16, 2) int8, zero padded: per block of 16 output
 channels and per pair of inputs, the 16 x 2 weights side by side (vdpbf16ps's operand order).
@@ -21,33 +20,28 @@ returns None and Int8Linear keeps torch's kernels (and the plain (N, K) layout).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
+from radixserve.platform.kernels import ENV_DISABLE, INT8_GEMM, load_extension
+
+__all__ = ["ENV_DISABLE"]
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_packed_gemm.cpp"
-EXT_BASE = "radixserve_int8_gemm_v5"  # bump with the source: a fresh build, not a stale one
 BLOCK = 16  # output channels per packed block
 
 # (x (M, K), packed weight, scale (N,), N) -> y (M, N)
 Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def _registered() -> bool:
-    return hasattr(torch.ops.radixserve, "int8_packed_gemm")
-
-
 def load_int8_gemm() -> Int8Gemm | None:
-    """torch.ops.radixserve.int8_packed_gemm, built on first use; None where unavailable."""
-    if os.environ.get(ENV_DISABLE) == "1":
+    """int8_packed_gemm at the process's tier, built on first use; None where unavailable."""
+    loaded = load_extension(INT8_GEMM)
+    if loaded is None:
         return None
-    if not (_registered() or build_extension(EXT_BASE, (SOURCE,), "CPU int8 GEMM kernel")):
-        return None
-    op: Int8Gemm = torch.ops.radixserve.int8_packed_gemm
+    op: Int8Gemm = loaded.op("int8_packed_gemm")
     return op
 
 

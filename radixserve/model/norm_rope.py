@@ -1,8 +1,8 @@
 """RMSNorm and rotary embeddings as single-pass native CPU ops, and their specifications.
 
-Owns: building csrc/norm_rope.cpp (attention/cpu_kernels.build_extension: cached per source
-version and CPU flags; compiled without -ffast-math and without FMA contraction, so the ops
-round as the torch code does), the ops `torch.ops.radixserve.rms_norm` / `rope_qk`, and
+Owns: loading csrc/norm_rope.cpp's ops `rms_norm` / `rope_qk` at the process's CPU tier
+(platform/kernels.py's NORM_ROPE: compiled without -ffast-math and without FMA contraction, so
+the ops round as the torch code does), and
 `rms_norm_reference` / `rope_qk_reference`: the torch code they replace, which is also the
 path on CUDA with the torch attention backend (the Triton backend's forward runs
 layers/' fused Triton path instead), without the build, or with RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers,
@@ -15,19 +15,15 @@ final norm, RoPE per layer): a visible share of a distinct-prompt workload's eng
 
 from __future__ import annotations
 
-import os
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
+from radixserve.platform.kernels import ENV_DISABLE, NORM_ROPE, load_extension
 
-SOURCE = Path(__file__).parent / "csrc" / "norm_rope.cpp"
-EXT_BASE = "radixserve_norm_rope_v3"  # bump with the source: a fresh build, not a stale one
-# No -ffast-math: the ops must round product by product as torch does (rope_qk bit-identical).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+__all__ = ["ENV_DISABLE"]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,26 +66,24 @@ class NormRope:
 REFERENCE = NormRope(rms_norm_reference, rope_qk_reference, native=False)
 
 
-def _registered() -> bool:
-    return hasattr(torch.ops.radixserve, "rms_norm") and hasattr(torch.ops.radixserve, "rope_qk")
-
-
 def load_norm_rope(device: torch.device) -> NormRope:
-    """The native ops on CPU where they build (once per process), else the references."""
-    if device.type != "cpu" or os.environ.get(ENV_DISABLE) == "1":
+    """The native ops on CPU where they build (once per process and tier), else the
+    references."""
+    if device.type != "cpu":
         return REFERENCE
-    if not (_registered() or build_extension(EXT_BASE, (SOURCE,), "CPU RMSNorm/RoPE kernels",
-                                             CFLAGS)):
+    loaded = load_extension(NORM_ROPE)
+    if loaded is None:
         return REFERENCE
-    return NormRope(_rms_norm_native_below_fp32, torch.ops.radixserve.rope_qk, native=True)
+    rms_norm = functools.partial(_rms_norm_native_below_fp32, loaded.op("rms_norm"))
+    return NormRope(rms_norm, loaded.op("rope_qk"), native=True)
 
 
-def _rms_norm_native_below_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float
-                                ) -> torch.Tensor:
+def _rms_norm_native_below_fp32(native: RmsNorm, x: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> torch.Tensor:
     """fp32 keeps torch's RMSNorm: the native op adds the squares in another order (a few
     ulps), and an int8 model's greedy tokens flipped on that (tests/model/test_quant.py); with the
     pages kept (cpu_malloc.py) torch's fp32 form is cheap enough."""
     if x.dtype == torch.float32:
         return rms_norm_reference(x, weight, eps)
-    out: torch.Tensor = torch.ops.radixserve.rms_norm(x, weight, eps)
+    out: torch.Tensor = native(x, weight, eps)
     return out

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from radixserve.attention import cpu_kernels
+from radixserve.platform import native_build
+from radixserve.platform.cpu_isa import CpuIsa
+from radixserve.platform.native_build import NativeExtension
 
 
 def test_first_build_is_logged_with_its_duration_and_a_cached_one_is_not(
@@ -26,17 +28,19 @@ def test_first_build_is_logged_with_its_duration_and_a_cached_one_is_not(
         (folder / f"{name}.so").write_bytes(b"")
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    source = (tmp_path / "k.cpp",)
-    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
-        assert cpu_kernels.build_extension("radixserve_log_test", source, "CPU test kernels")
+    ext = NativeExtension("radixserve_log_test", (tmp_path / "k.cpp",), "CPU test kernels",
+                          ("rs_no_such_op",))
+    native_build.build_extension.cache_clear()
+    with caplog.at_level(logging.INFO, logger=native_build.__name__):
+        assert native_build.build_extension(ext, CpuIsa.AVX2).ok
     first = [r.getMessage() for r in caplog.records]
     assert len(builds) == 1
-    assert any("building the native CPU test kernels" in m and "first start" in m
+    assert any("building the native CPU test kernels (avx2)" in m and "first start" in m
                for m in first), first
-    assert any(m.startswith("built the native CPU test kernels in ") for m in first), first
+    assert any(m.startswith("built the native CPU test kernels (avx2) in ") for m in first), first
     caplog.clear()
-    cpu_kernels.build_extension.cache_clear()  # a second process
-    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
-        assert cpu_kernels.build_extension("radixserve_log_test", source, "CPU test kernels")
+    native_build.build_extension.cache_clear()  # a second process
+    with caplog.at_level(logging.INFO, logger=native_build.__name__):
+        assert native_build.build_extension(ext, CpuIsa.AVX2).ok
     assert len(builds) == 2  # torch's load still runs: it loads the cached library
     assert not [r for r in caplog.records if "build" in r.getMessage()]

@@ -28,6 +28,7 @@ from radixserve.attention.kv_quant import (
     store,
 )
 from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.platform.cpu_isa import CpuIsa
 from tests.attention.test_torch_backend import (
     CASES,
     HKV,
@@ -38,6 +39,9 @@ from tests.attention.test_torch_backend import (
     make_table,
     reference,
 )
+
+# every test under each CPU tier this host executes (tests/conftest.py's cpu_tier)
+pytestmark = pytest.mark.usefixtures("cpu_tier")
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -130,9 +134,11 @@ def test_decode_kernel_matches_dequantizing_reference(fmt: torch.dtype, qdtype: 
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_kernel_avx512_bf16_path_without_amx() -> None:
+def test_decode_kernel_avx512_bf16_path_without_amx(cpu_tier: CpuIsa) -> None:
     """On a CPU with AMX the bf16 tests above run the tile path; RADIXSERVE_NO_AMX=1 (read once
     per process) makes them run the AVX512-BF16 path instead: the same tests, in a child."""
+    if cpu_tier is not CpuIsa.AMX:
+        pytest.skip("the tile path exists at the amx tier only")
     env = {**os.environ, ENV_NO_AMX: "1"}
     tests = "decode_kernel_reads_every_byte_code or decode_kernel_matches_dequantizing"
     child = subprocess.run(

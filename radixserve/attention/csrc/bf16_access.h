@@ -3,8 +3,8 @@
 // keep gcc from vectorizing. Rounding to bf16 is to nearest even, NaN to the quiet NaN, as
 // at::BFloat16's (a file built with -ffast-math may drop the NaN test).
 //
-// Shared by attention/csrc/paged_decode.cpp and model/csrc/norm_rope.cpp. torch's extension
-// loader hashes the sources, not this header: bump both EXT_BASE names when it changes.
+// Shared by attention/csrc/paged_decode.cpp and model/csrc/norm_rope.cpp. The builds' names
+// carry a digest of this header (platform/native_build.py): no version to bump.
 #pragma once
 
 #include <cstdint>

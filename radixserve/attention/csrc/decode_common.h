@@ -2,8 +2,6 @@
 // model-dtype pools; paged_decode_fp8.cpp: 8-bit pools): the problem's geometry, the batch's
 // pointers, and the softmax of one head's scores.
 //
-// torch's extension loader hashes the sources, not this header: bump EXT_BASE in
-// attention/cpu_kernels.py when it changes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -126,6 +124,27 @@ inline float softmax(float* s, int64_t len, float softcap = 0.f) {
     vsum = _mm512_add_ps(vsum, e);
   }
   const float sum = _mm512_reduce_add_ps(vsum);
+#elif RS_VEC_AVX2
+  // the avx2 tier: 8 lanes, the tail (len % 8 scores) in scalar code
+  using radixserve_vec::exp256;
+  const int64_t whole = len & ~int64_t{7};
+  __m256 vmax = _mm256_set1_ps(s[0]);
+  for (int64_t t = 0; t < whole; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+  float m = radixserve_vec::hmax8(vmax);
+  for (int64_t t = whole; t < len; ++t) m = s[t] > m ? s[t] : m;
+  const __m256 vm = _mm256_set1_ps(m), floor = _mm256_set1_ps(-80.f);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < whole; t += 8) {
+    const __m256 e = exp256(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm), floor));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = radixserve_vec::hsum8(vsum);
+  for (int64_t t = whole; t < len; ++t) {
+    const float x = s[t] - m;
+    s[t] = std::exp(x > -80.f ? x : -80.f);
+    sum += s[t];
+  }
 #else
   float m = s[0];  // len >= 1 (checked); no infinities: the files build with -ffast-math
 #pragma omp simd reduction(max : m)

@@ -6,13 +6,13 @@
 // into fp16's fields give 2^-8 of its value for normals and subnormals alike (fp16's exponent
 // bias is 8 larger), so a few integer instructions and vcvtph2ps per 16 values, times 256.
 // To bf16 exactly (Bf16Lut, AVX512-VBMI): two 128-entry byte tables looked up by vpermi2b.
-// torch's extension loader hashes the sources, not this header: bump EXT_BASE in
-// attention/cpu_kernels.py when it changes.
+// On the avx2 tier (AVX2, F16C, FMA; no AVX-512) the same fp16 route 8 values per vcvtph2ps
+// (load16). A build's name carries a digest of this header (platform/native_build.py).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -70,6 +70,34 @@ template <Format F>
 constexpr float load32_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #else
 #define RS_FP8_AVX512 0
+#endif
+
+#if !RS_FP8_AVX512 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define RS_FP8_AVX2 1
+// 16 bytes -> 16 fp32 values in order, e4m3 as 2^-8 of its value (times load_factor, as
+// load32_permuted): each byte unpacked against zero into the high half of a 16-bit lane (e5m2:
+// fp16's bits; e4m3 shifted into fp16's fields alike), then vcvtph2ps per 8. At 128 bits the
+// unpacks keep the bytes' order: nothing to permute.
+template <Format F>
+inline void load16(const uint8_t* p, float* dst) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i lo = _mm_unpacklo_epi8(_mm_setzero_si128(), x);
+  __m128i hi = _mm_unpackhi_epi8(_mm_setzero_si128(), x);
+  if constexpr (F == Format::E4M3) {
+    const __m128i mask = _mm_set1_epi16(static_cast<short>(0xBF80));
+    lo = _mm_and_si128(_mm_srai_epi16(lo, 1), mask);
+    hi = _mm_and_si128(_mm_srai_epi16(hi, 1), mask);
+  }
+  _mm256_storeu_ps(dst, _mm256_cvtph_ps(lo));
+  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(hi));
+}
+#else
+#define RS_FP8_AVX2 0
+#endif
+#if RS_FP8_AVX512 || RS_FP8_AVX2
+// What load32_permuted's and load16's values must be multiplied by.
+template <Format F>
+constexpr float load_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #endif
 
 // The bf16 bits of a code's magnitude (its low 7 bits): every e4m3 and e5m2 value, subnormals
@@ -177,6 +205,15 @@ inline void row_to_float(const uint8_t* src, int64_t n, float* dst) {
       _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(w), e4m3_factor));
     } else {
       _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_slli_epi16(w, 8)));
+    }
+  }
+#elif RS_FP8_AVX2
+  const __m256 factor = _mm256_set1_ps(load_factor<F>());
+  for (; i + 16 <= n; i += 16) {
+    load16<F>(src + i, dst + i);
+    if constexpr (F == Format::E4M3) {
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_loadu_ps(dst + i), factor));
+      _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_loadu_ps(dst + i + 8), factor));
     }
   }
 #endif

@@ -204,11 +204,16 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(radixserve, m) {
+// Each tier's build names its own op namespace (radixserve_<tier>: platform/kernels.py), so
+// several tiers load side by side in one process.
+#ifndef RADIXSERVE_OPS_NS
+#define RADIXSERVE_OPS_NS radixserve
+#endif
+TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_table, Tensor rows, "
       "Tensor starts, Tensor seq_lens, float scale, Tensor? k_scale=None, "
       "Tensor? v_scale=None, float softcap=0.0) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -28,7 +28,7 @@ using radixserve_bf16::bf16_t;
 using radixserve_bf16::ld;
 using radixserve_bf16::st;
 using radixserve_fp8::Format;
-#if RS_FP8_AVX512  // vec_math.h declares radixserve_vec only under __AVX512F__
+#if RS_FP8_AVX512  // vec_math.h declares radixserve_vec only under __AVX512F__ or __AVX2__
 using radixserve_vec::sum16;
 #endif
 
@@ -154,6 +154,85 @@ void decode_one_fp8_blocked(const T* q, const uint8_t* k, const uint8_t* v, cons
 }
 #endif
 
+#if RS_FP8_AVX2 && RS_VEC_AVX2
+// decode_one_fp8_blocked for the avx2 tier (head dims multiple of 8), in blocks of 8 keys: the
+// block's rows converted once into L1 (load16, in order), each query head's 8 scores from 8
+// dot products of 8-lane FMAs summed by sum8, its output accumulators in registers over the
+// block's 8 values.
+template <int64_t D, typename T, Format F>
+void decode_one_fp8_blocked8(const T* q, const uint8_t* k, const uint8_t* v, const Geometry& g,
+                             const float* k_scale, const float* v_scale, const int32_t* slots,
+                             int64_t len, T* out, float* lse, std::vector<float>& work) {
+  static_assert(D % 16 == 0 && D > 0);
+  constexpr int64_t NV = D / 8, BLK = 8;
+  const int64_t group = g.hq / g.hkv, row = g.hkv * D;
+  constexpr float factor = radixserve_fp8::load_factor<F>();
+  work.resize(g.hq * len + 2 * g.hq * D + BLK * row + BLK);
+  float* sc = work.data();
+  float* qf = sc + g.hq * len;
+  float* acc = qf + g.hq * D;
+  float* rf = acc + g.hq * D;  // (BLK, Hkv * D): the block's rows, converted
+  float* tail = rf + BLK * row;  // a partial block's scores
+  for (int64_t h = 0; h < g.hq; ++h)
+    for (int64_t e = 0; e < D; ++e)
+      qf[h * D + e] = ld(q, h * D + e) * (g.scale * k_scale[h / group] * factor);
+  auto over_blocks = [&](const uint8_t* base, int64_t sstride, auto&& fn) {
+    for (int64_t t0 = 0; t0 < len; t0 += BLK) {
+      const int64_t n = std::min(BLK, len - t0);
+      // the next block's rows requested now: slots are scattered (pages), the hardware
+      // prefetcher cannot guess them, and this block's conversion hides their latency
+      for (int64_t j = t0 + BLK; j < std::min(t0 + 2 * BLK, len); ++j)
+        for (int64_t c = 0; c < row; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * sstride + c),
+                       _MM_HINT_T0);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t c = 0; c < row; c += 16)
+          radixserve_fp8::load16<F>(base + slots[t0 + j] * sstride + c, rf + j * row + c);
+      for (int64_t h = 0; h < g.hq; ++h) fn(h, t0, n);
+    }
+  };
+  over_blocks(k, g.sk, [&](int64_t h, int64_t t0, int64_t n) {
+    // q in registers over the block (one load per FMA, not two: the loads bound this loop)
+    __m256 qv[NV];
+    for (int64_t c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(qf + h * D + c * 8);
+    const float* kh = rf + (h / group) * D;
+    __m256 dots[BLK];
+    for (int64_t j = 0; j < BLK; ++j) {
+      __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();  // two chains: FMA latency
+      if (j < n)
+        for (int64_t c = 0; c < NV; c += 2) {
+          a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kh + j * row + c * 8), a);
+          b = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(kh + j * row + c * 8 + 8), b);
+        }
+      dots[j] = _mm256_add_ps(a, b);
+    }
+    const __m256 s = radixserve_vec::sum8(dots);
+    if (n == BLK) {
+      _mm256_storeu_ps(sc + h * len + t0, s);
+    } else {
+      _mm256_storeu_ps(tail, s);
+      std::copy(tail, tail + n, sc + h * len + t0);
+    }
+  });
+  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len);
+  std::fill(acc, acc + g.hq * D, 0.f);
+  over_blocks(v, g.sv, [&](int64_t h, int64_t t0, int64_t n) {
+    __m256 a[NV];
+    for (int64_t c = 0; c < NV; ++c) a[c] = _mm256_loadu_ps(acc + h * D + c * 8);
+    const float* vh = rf + (h / group) * D;
+    const float* p = sc + h * len + t0;
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      for (int64_t c = 0; c < NV; ++c)
+        a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vh + j * row + c * 8), a[c]);
+    }
+    for (int64_t c = 0; c < NV; ++c) _mm256_storeu_ps(acc + h * D + c * 8, a[c]);
+  });
+  for (int64_t h = 0; h < g.hq; ++h)
+    for (int64_t e = 0; e < D; ++e)
+      st(out, h * D + e, acc[h * D + e] * (v_scale[h / group] * factor));
+}
+#endif
 
 }  // namespace
 
@@ -174,6 +253,13 @@ void decode_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
         return decode_one_fp8_blocked<D, T, F>(c.q_of(b), c.k, c.v, g, c.k_scale, c.v_scale,
                                                batch.slots_of(b), batch.len_of(b),
                                                c.out_of(b), c.lse_of(b), work);
+      }
+#endif
+#if RS_FP8_AVX2 && RS_VEC_AVX2
+      if constexpr (D != 0 && D % 16 == 0) {
+        return decode_one_fp8_blocked8<D, T, F>(c.q_of(b), c.k, c.v, g, c.k_scale, c.v_scale,
+                                                batch.slots_of(b), batch.len_of(b),
+                                                c.out_of(b), c.lse_of(b), work);
       }
 #endif
       decode_one_fp8<D, T, F>(c.q_of(b), c.k, c.v, g, c.k_scale, c.v_scale, batch.slots_of(b),

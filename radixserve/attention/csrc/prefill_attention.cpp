@@ -249,11 +249,16 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+// Each tier's build names its own op namespace (radixserve_<tier>: platform/kernels.py), so
+// several tiers load side by side in one process.
+#ifndef RADIXSERVE_OPS_NS
+#define RADIXSERVE_OPS_NS radixserve
+#endif
+TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
       "Tensor prefix_slots, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
       "float softcap=0.0, int window=0) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

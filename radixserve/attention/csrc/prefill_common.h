@@ -4,8 +4,7 @@
 // lives (KVRows, converting an 8-bit pool's prefix rows as they are read), the online softmax
 // of one row and the task order.
 //
-// torch's extension loader hashes the sources, not this header: bump EXT_BASE in
-// attention/cpu_kernels.py when it changes.
+// The builds' names carry a digest of this header (platform/native_build.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -69,6 +68,27 @@ inline float softmax_row(float* s, int64_t vis, float& m, float& l) {
     vsum = _mm512_add_ps(vsum, e);
   }
   const float sum = _mm512_reduce_add_ps(vsum);
+#elif RS_VEC_AVX2
+  static_assert(W % 8 == 0, "key blocks are whole vectors");
+  const __m256 vvis = _mm256_set1_ps(static_cast<float>(vis));
+  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  auto seen = [&](int64_t j) {  // lanes j .. j + 7 below vis (small integers: exact in fp32)
+    return _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(j))), vvis,
+                         _CMP_LT_OQ);
+  };
+  __m256 vmax = _mm256_set1_ps(m);
+  for (int64_t j = 0; j < W; j += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(vmax, _mm256_loadu_ps(s + j), seen(j)));
+  const float mx = radixserve_vec::hmax8(vmax);
+  const __m256 vmx = _mm256_set1_ps(mx), floor = _mm256_set1_ps(-80.f);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < W; j += 8) {
+    const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx), floor);
+    const __m256 e = _mm256_and_ps(seen(j), radixserve_vec::exp256(x));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const float sum = radixserve_vec::hsum8(vsum);
 #else
   float mx = m;
 #pragma omp simd reduction(max : mx)

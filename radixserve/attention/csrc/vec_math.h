@@ -1,8 +1,7 @@
 // Vector math the attention kernels share (prefill_common.h, decode_common.h, the fp8 decode
 // kernels): an inline AVX-512 exp for softmax arguments, 16 horizontal sums at once, a 16 x 16
-// transpose. torch's
-// extension loader hashes the sources, not this header: bump EXT_BASE in
-// attention/cpu_kernels.py when it changes.
+// transpose; on the avx2 tier (x86-64-v3: AVX2, FMA) an 8-lane exp and 8 horizontal sums.
+// A build's name carries a digest of this header (platform/native_build.py): no version to bump.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -78,4 +77,52 @@ inline void transpose16(__m512* r) {
 }
 
 }  // namespace radixserve_vec
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace radixserve_vec {
+
+// exp_ps's 8-lane form for the avx2 tier: the same reduction and polynomial; 2^n built in the
+// exponent field (n + 127 >= 11 for x >= -80: always a normal float), as AVX2 has no vscalefps.
+inline __m256 exp256(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// r[j] = the sum of v[j]'s 8 lanes, for 8 vectors: two rounds of pairwise adds within the
+// 128-bit halves, then the halves added across.
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per half: v0..3
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The sum and the max of a vector's 8 lanes.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+}  // namespace radixserve_vec
+#define RS_VEC_AVX2 1
 #endif

@@ -235,10 +235,14 @@ bool int8_packed_gemm_uses_bf16() { return RS_PACKED_BF16; }
 
 }  // namespace
 
-// A fragment: the namespace's TORCH_LIBRARY is paged_decode.cpp's (a namespace has one).
-TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+// Each tier's build names its own op namespace (radixserve_<tier>: platform/kernels.py), so
+// several tiers load side by side in one process.
+#ifndef RADIXSERVE_OPS_NS
+#define RADIXSERVE_OPS_NS radixserve
+#endif
+TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
   m.def("int8_packed_gemm(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor");
   m.def("int8_packed_gemm_uses_bf16() -> bool", &int8_packed_gemm_uses_bf16);
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("int8_packed_gemm", &int8_packed_gemm); }
+TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) { m.impl("int8_packed_gemm", &int8_packed_gemm); }

@@ -145,12 +145,17 @@ at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+// Each tier's build names its own op namespace (radixserve_<tier>: platform/kernels.py), so
+// several tiers load side by side in one process.
+#ifndef RADIXSERVE_OPS_NS
+#define RADIXSERVE_OPS_NS radixserve
+#endif
+TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
 }

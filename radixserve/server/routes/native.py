@@ -133,6 +133,8 @@ async def server_info(request: web.Request) -> web.Response:
         "kv_cache_bytes": info.get("kv_cache_bytes"),
         "max_concurrency": info.get("max_concurrency"),
         "moe": info.get("moe"),  # experts, top-k, experts per rank (None: a dense model)
+        # the native CPU kernels' tier, e.g. "avx2 (no AVX-512 on this CPU)"; null off CPU
+        "cpu_kernels": info.get("cpu_kernels"),
         "engine_info": info,
         "engine_config": dataclasses.asdict(cfg.engine),
         "server_config": server,

@@ -1,0 +1,213 @@
+"""Decode steps against the memory floor, per CPU tier and dtype, in one process.
+
+On CPU a decode step at small batch reads every weight once, so its floor is the model's
+weight bytes / the machine's read bandwidth. This measures both, side by side:
+- bandwidth: a sum over a 1 GiB tensor (torch, the same thread count as the engine), the
+  median of several passes: GB/s read;
+- the decode step: offline `LLM.generate` (no HTTP) of B distinct 16-token prompts with
+  --output-len tokens each (greedy, ignore_eos), B = 1 and 8; the median engine step after the
+  prefill (schedule, forward, sample), and where it goes: the linear layers (LM head
+  included), attention with the KV store, the rest of the forward (embedding, norms, RoPE),
+  and the step outside the forward.
+Prints per (tier, dtype, batch): step ms, floor ms (weight bytes / bandwidth) and their ratio.
+Each (tier, dtype) runs in its own process with $RADIXSERVE_CPU_ISA set (the native kernels
+at that tier) and oneDNN's and ATen's dispatch capped alike (ONEDNN_MAX_CPU_ISA,
+ATEN_CPU_CAPABILITY), so that a capped tier stands for a CPU of that tier.
+
+    python -m bench.decode_floor --num-threads 2
+    python -m bench.decode_floor --tiers avx2,avx512_bf16 --dtypes float32,bfloat16 --runs 3
+
+Does not know: the HTTP server (bench.compare measures through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve import LLM
+from radixserve.platform.cpu_isa import ENV_CPU_ISA, host_tiers
+from radixserve.types import SamplingParams
+
+BANDWIDTH_BYTES = 2**30
+
+
+def read_bandwidth(passes: int = 7) -> float:
+    """GB/s of a sum over BANDWIDTH_BYTES of float32 (torch's threads), median of `passes`."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    x.sum()  # pages touched
+    times = []
+    for _ in range(passes):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return BANDWIDTH_BYTES / statistics.median(times) / 1e9
+
+
+class StepClock:
+    """Seconds per engine step and per component of each forward."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.parts: list[dict[str, float]] = []
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - t
+        return timed
+
+
+class _Timed:
+    """A linear layer (or the MLP) with the same call forms, timed under `linear`."""
+
+    def __init__(self, inner: Any, clock: StepClock) -> None:
+        self.inner = inner
+        self._call = clock.wrap("linear", inner.__call__)
+        if hasattr(inner, "add_to"):
+            self.add_to = clock.wrap("linear", inner.add_to)
+        self.nbytes = getattr(inner, "nbytes", 0)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+
+def instrument(llm: LLM, clock: StepClock) -> None:
+    engine, model = llm.engine, llm.engine.runner.model
+    for layer in model.layers:
+        layer.qkv = _Timed(layer.qkv, clock)  # type: ignore[assignment]
+        layer.o_proj = _Timed(layer.o_proj, clock)  # type: ignore[assignment]
+        layer.mlp = _Timed(layer.mlp, clock)  # type: ignore[assignment]
+    model.lm_head = _Timed(model.lm_head, clock)  # type: ignore[assignment]
+    model.backend.forward = clock.wrap("attention", model.backend.forward)  # type: ignore[method-assign]
+    model.forward = clock.wrap("forward", model.forward)  # type: ignore[method-assign]
+    step = engine.step
+
+    def timed_step() -> Any:
+        clock.current = defaultdict(float)
+        t = time.perf_counter()
+        out = step()
+        clock.steps.append(time.perf_counter() - t)
+        clock.parts.append(dict(clock.current))
+        return out
+
+    engine.step = timed_step  # type: ignore[method-assign]
+
+
+def measure(llm: LLM, clock: StepClock, batch: int, output_len: int, runs: int
+            ) -> dict[str, float]:
+    """Median decode step (every step after the first: the prefill) over `runs` runs."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    steps: list[float] = []
+    parts: dict[str, list[float]] = defaultdict(list)
+    for _ in range(runs):
+        prompts = [torch.randint(100, 40000, (16,), generator=g).tolist() for _ in range(batch)]
+        llm.engine.flush_cache()
+        clock.steps.clear()
+        clock.parts.clear()
+        llm.generate(prompts, params)
+        steps += clock.steps[1:]
+        for p in clock.parts[1:]:
+            for name in ("forward", "linear", "attention"):
+                parts[name].append(p.get(name, 0.0))
+    step = statistics.median(steps)
+    fwd, lin, att = (statistics.median(parts[n]) for n in ("forward", "linear", "attention"))
+    return {"step": step, "linear": lin, "attention": att, "other fwd": fwd - lin - att,
+            "outside fwd": step - fwd}
+
+
+# What each tier caps the libraries' own dispatch to (oneDNN's GEMMs, ATen's vector kernels),
+# set before torch starts in the worker: a capped run then stands for a CPU of that tier.
+ONEDNN_ISA = {"portable": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE",
+              "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
+ATEN_ISA = {"portable": "default", "avx2": "avx2"}  # AVX-512 tiers: ATen's default choice
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One (tier, dtype): every batch size, one JSON line per batch on stdout."""
+    kw: dict[str, Any] = {"dtype": args.dtype}
+    if args.num_threads is not None:
+        kw["num_threads"] = args.num_threads
+    llm = LLM(model=args.model, **kw)
+    layers, head = llm.engine.runner.model.linear_weight_bytes()
+    clock = StepClock()
+    instrument(llm, clock)
+    llm.generate([[100, 200, 300]], SamplingParams(temperature=0, max_tokens=4))
+    bandwidth = read_bandwidth()
+    for batch in (int(b) for b in args.batches.split(",")):
+        m = measure(llm, clock, batch, args.output_len, args.runs)
+        print(json.dumps({"tier": args.tier, "dtype": args.dtype, "batch": batch, **m,
+                          "bandwidth": bandwidth, "weight_bytes": layers + head,
+                          "kernels": llm.engine.runner.cpu_kernels,
+                          "threads": torch.get_num_threads()}), flush=True)
+    llm.close()
+
+
+def run_worker(args: argparse.Namespace, tier: str, dtype: str) -> list[dict[str, Any]]:
+    env = {**os.environ, ENV_CPU_ISA: tier, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[tier]}
+    if tier in ATEN_ISA:
+        env["ATEN_CPU_CAPABILITY"] = ATEN_ISA[tier]
+    cmd = [sys.executable, "-m", "bench.decode_floor", "--worker", "--tiers", tier,
+           "--dtypes", dtype, "--batches", args.batches, "--model", args.model,
+           "--output-len", str(args.output_len), "--runs", str(args.runs)]
+    if args.num_threads is not None:
+        cmd += ["--num-threads", str(args.num_threads)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tiers", default=None,
+                    help="comma-separated; default: avx2 (where the CPU has it) and the best")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--num-threads", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--output-len", type=int, default=129)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.tier, args.dtype = args.tiers, args.dtypes
+        worker(args)
+        return
+    host = [t.value for t in host_tiers()]
+    tiers = (args.tiers.split(",") if args.tiers
+             else list(dict.fromkeys(t for t in ("avx2", host[-1]) if t in host)))
+    rows = [row for tier in tiers for dtype in args.dtypes.split(",")
+            for row in run_worker(args, tier, dtype)]
+    for r in rows:
+        if r["batch"] == rows[0]["batch"]:
+            print(f"{r['tier']} {r['dtype']}: CPU kernels {r['kernels']}; torch threads "
+                  f"{r['threads']}")
+    print(f"\n{'tier':12s} {'dtype':9s} {'B':>2s} {'step ms':>8s} {'floor ms':>8s} "
+          f"{'ratio':>6s} {'GB/s':>6s} {'weights MB':>10s} | {'linear':>6s} {'attn':>6s} "
+          f"{'other':>6s} {'outside':>7s}  (ms)")
+    for r in rows:
+        floor = r["weight_bytes"] / (r["bandwidth"] * 1e9)
+        print(f"{r['tier']:12s} {r['dtype']:9s} {r['batch']:2d} {r['step'] * 1e3:8.1f} "
+              f"{floor * 1e3:8.1f} {r['step'] / floor:5.2f}x {r['bandwidth']:6.1f} "
+              f"{r['weight_bytes'] / 1e6:10.0f} | {r['linear'] * 1e3:6.1f} "
+              f"{r['attention'] * 1e3:6.1f} {r['other fwd'] * 1e3:6.1f} "
+              f"{r['outside fwd'] * 1e3:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
