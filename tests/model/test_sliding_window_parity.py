@@ -2,7 +2,8 @@
 a tiny Mistral (every layer windowed) and a tiny Qwen2 (sliding and full layers mixed) whose
 window is shorter than the prompts: with the radix cache cold and warm (prefix hits longer
 than the window), prefill chunks of 16 crossing the window's edge, on the native CPU kernels,
-the torch path, and the Triton backend under the interpreter."""
+the torch path, and the Triton backend under the interpreter (and on a GPU, with CUDA
+graphs: a `gpu` test)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from radixserve import LLM
 from radixserve.model.arch import read_model_spec
@@ -94,3 +96,24 @@ def test_window_model_on_triton_matches_hf(tiny_mistral_swa: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for _ in range(2):  # cold, then from the radix cache
         assert [r.token_ids for r in llm.generate(prompts, params)] == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_window_model_with_cuda_graphs_matches_hf(tiny_mistral_swa: Path,
+                                                  tiny_qwen2_swa: Path) -> None:
+    """On a GPU: the fused Triton forward with decode steps replayed from CUDA graphs (each
+    layer's window compiled into its kernels), cold and from the radix cache."""
+    for model_dir in (tiny_mistral_swa, tiny_qwen2_swa):
+        prompts = random_prompts(LENGTHS, 250, seed=6)
+        ref = hf_greedy(model_dir, prompts, NEW)
+        waves = run_twice(model_dir, prompts, device="cuda", cuda_graph_max_bs=8,
+                          chunked_prefill_size=16)
+        assert waves == [ref, ref]
+        llm = LLM(model=str(model_dir), dtype="float32", device="cuda", kv_cache_tokens=4096,
+                  cuda_graph_max_bs=8)
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None
+        params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        assert [r.token_ids for r in llm.generate(prompts, params)] == ref
+        assert sum(graphs.num_steps.values()) > 0
