@@ -19,6 +19,7 @@ from radixserve import LLM
 from radixserve.attention.cpu_kernels import ENV_DISABLE
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.triton_backend import TritonAttentionBackend
+from radixserve.engine.kv_calibration import calibrate
 from radixserve.model.families.registry import load_model, read_model_spec
 from radixserve.types import SamplingParams
 from tests.engine.test_engine_cache import shared_prefix_prompts
@@ -148,3 +149,29 @@ def test_tp2_matches_hf(name: str, family_dirs: dict[str, Path],
         assert llm.kv_stats()["prefix_cache_hits"] > 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_int8_weights_and_fp8_kv_stay_close_to_fp32(name: str, family_dirs: dict[str, Path],
+                                                    tmp_path_factory: pytest.TempPathFactory
+                                                    ) -> None:
+    """int8 weights (every projection and the LM head) and an fp8 KV pool (scales calibrated
+    through the family's own forward) change the logits by quantization error only."""
+    path = model_dir(family_dirs, tmp_path_factory, name)
+    spec = read_model_spec(path)
+    prompts = random_prompts(LENGTHS, VOCAB)
+
+    def run(quantization: str | None, fp8: bool) -> torch.Tensor:
+        model = load_model(path, spec, TorchAttentionBackend(), MAX_LEN, torch.float32, CPU,
+                           quantization=quantization)
+        kv = None
+        if fp8:
+            fmt = torch.float8_e4m3fn
+            kv = (fmt, calibrate(model, prompts[2], fmt, spec.num_kv_heads, spec.head_dim,
+                                 torch.float32, CPU))
+        return torch.cat(greedy(model, prompts, 2, kv)[1])  # (prefill + decode rows, vocab)
+
+    want = run(None, False)
+    for quantization, fp8 in ((None, True), ("int8", False)):
+        rel = ((run(quantization, fp8) - want).norm() / want.norm()).item()
+        assert 0 < rel < 0.05, (quantization, fp8, rel)
