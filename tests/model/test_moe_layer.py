@@ -126,8 +126,13 @@ def test_indivisible_expert_parallel_is_refused() -> None:
 def test_spec_rejects_bad_configs() -> None:
     with pytest.raises(ModelLoadError, match="num_experts_per_tok 9"):
         MoESpec(num_experts=8, top_k=9, expert_size=4, renormalize=False)
-    with pytest.raises(ModelLoadError, match="lacks 'num_experts'"):
+    with pytest.raises(ModelLoadError, match="lacks 'intermediate_size'"):
         read_moe_spec("MixtralForCausalLM", {"num_experts_per_tok": 2})
+    # Keys left out take transformers' defaults, as its config classes fill them in.
+    qwen3 = read_moe_spec("Qwen3MoeForCausalLM", {"num_local_experts": 16})
+    assert (qwen3.num_experts, qwen3.top_k, qwen3.expert_size) == (16, 8, 768)
+    olmoe = read_moe_spec("OlmoeForCausalLM", {"intermediate_size": 32})
+    assert (olmoe.num_experts, olmoe.top_k, olmoe.renormalize) == (64, 8, False)
     step = MoESpec(num_experts=4, top_k=2, expert_size=4, renormalize=False, sparse_step=2,
                    mlp_only_layers=(3,))
     assert step.sparse_layers(6) == [1, 5]

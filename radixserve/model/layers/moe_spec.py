@@ -88,37 +88,46 @@ def moe_info(spec: ModelArch, tp_size: int = 1, expert_parallel: bool = False
             "experts_per_rank": moe.num_experts // tp_size if ep else moe.num_experts}
 
 
-def _num_experts(cfg: Mapping[str, Any]) -> int:
+# transformers' config-class defaults for a key config.json leaves out (as HF loads it):
+# (experts, top-k, expert width, shared expert width); None: the dense intermediate_size.
+_HF_DEFAULTS: dict[str, tuple[int, int, int | None, int]] = {
+    "Qwen3MoeForCausalLM": (128, 8, 768, 0),
+    "Qwen2MoeForCausalLM": (60, 4, 1408, 5632),
+    "MixtralForCausalLM": (8, 2, None, 0),
+    "OlmoeForCausalLM": (64, 8, None, 0),
+}
+
+
+def _num_experts(cfg: Mapping[str, Any], default: int) -> int:
     # transformers 5 writes num_local_experts for every family (an attribute_map alias);
     # the Qwen and OLMoE checkpoints on the hub write num_experts.
     for key in ("num_experts", "num_local_experts"):
         if cfg.get(key) is not None:
             return int(cfg[key])
-    raise KeyError("num_experts")
+    return default
 
 
 def read_moe_spec(architecture: str, cfg: Mapping[str, Any]) -> MoESpec:
-    """The MoESpec of one of MOE_ARCHS from its config.json; ModelLoadError names a missing
-    or bad key."""
+    """The MoESpec of one of MOE_ARCHS from its config.json (a key it leaves out takes
+    transformers' default, as HF's config class fills it in); ModelLoadError names a bad
+    value."""
     if architecture not in MOE_ARCHS:
         raise ModelLoadError(f"{architecture} is not a mixture-of-experts architecture")
+    experts, top_k, width, shared = _HF_DEFAULTS[architecture]
     try:
-        if architecture == "MixtralForCausalLM":
-            return MoESpec(num_experts=_num_experts(cfg),
-                           top_k=int(cfg["num_experts_per_tok"]),
-                           expert_size=int(cfg["intermediate_size"]), renormalize=True)
-        if architecture == "OlmoeForCausalLM":
-            return MoESpec(num_experts=_num_experts(cfg),
-                           top_k=int(cfg["num_experts_per_tok"]),
-                           expert_size=int(cfg["intermediate_size"]),
-                           renormalize=bool(cfg.get("norm_topk_prob", False)))
-        shared = cfg.get("shared_expert_intermediate_size", 0)
+        common = {"num_experts": _num_experts(cfg, experts),
+                  "top_k": int(cfg.get("num_experts_per_tok") or top_k)}
+        if width is None:  # Mixtral, OLMoE: the experts are intermediate_size wide
+            return MoESpec(**common, expert_size=int(cfg["intermediate_size"]),
+                           renormalize=architecture == "MixtralForCausalLM"
+                           or bool(cfg.get("norm_topk_prob", False)))
+        if architecture == "Qwen2MoeForCausalLM":
+            shared = int(cfg.get("shared_expert_intermediate_size", shared))
         return MoESpec(
-            num_experts=_num_experts(cfg),
-            top_k=int(cfg["num_experts_per_tok"]),
-            expert_size=int(cfg["moe_intermediate_size"]),
+            **common,
+            expert_size=int(cfg.get("moe_intermediate_size") or width),
             renormalize=bool(cfg.get("norm_topk_prob", False)),
-            shared_expert_size=int(shared) if architecture == "Qwen2MoeForCausalLM" else 0,
+            shared_expert_size=shared,
             sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
         )
