@@ -32,6 +32,7 @@ from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
+from radixserve.model.quantization.config import read_quant_config, resolve_quantization
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
@@ -108,18 +109,24 @@ class ModelRunner:
         if tp_size > 1:
             shard, self.tp, self.tp_lead = start_tp(cfg, self.spec, self.device, tp_rank)
         self.is_lead = tp_rank is None or tp_rank.rank == 0
+        self.quant_config = read_quant_config(self.resolved.hf_dir)
+        # What builds the linear layers: the flag's load-time quantization (int8 / fp8) of a
+        # float checkpoint, or None for a checkpoint whose weights come quantized.
+        online_quant = resolve_quantization(cfg.quantization, self.quant_config)
+        self.quantization = online_quant or (None if self.quant_config is None
+                                             else self.quant_config.method)
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
-                               show_progress, shard)
+                               show_progress, shard, self.quant_config)
         rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
                              self.device)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
-        self.model = LlamaModel(model_spec, weights, rotary, backend, cfg.quantization,
+        self.model = LlamaModel(model_spec, weights, rotary, backend, online_quant,
                                 tp=self.tp, shard=shard)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
-                    f", {cfg.quantization}" if cfg.quantization else "")
+                    f", {self.quantization}" if self.quantization else "")
         self.kv_cache_dtype = cfg.kv_cache_dtype
         kv_dtype = storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.pool = KVPool(self._pool_size(cfg, kv_dtype, model_spec.num_kv_heads),

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from radixserve.attention.base import AttentionBackend, AttentionMetadata, StoredKVAttention
 from radixserve.attention.kv_quant import KVScale
 from radixserve.model.arch import ModelArch
-from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
+from radixserve.model.cpu_linear import AnyLinear, GatedMLP, make_linear
 from radixserve.model.int8_kernel import load_int8_gemm
 from radixserve.model.norm_rope import load_norm_rope
-from radixserve.model.quant import Int8Linear
+from radixserve.model.quantization.cpu_kernel import load_quant_gemm
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import ModelWeights
 
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # (hidden,)
-    qkv: Linear | Int8Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
-    o_proj: Linear | Int8Linear  # heads * head_dim -> hidden
+    qkv: AnyLinear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o_proj: AnyLinear  # heads * head_dim -> hidden
     post_norm: torch.Tensor  # (hidden,)
     mlp: GatedMLP
 
@@ -92,20 +92,27 @@ class LlamaModel:
         self.embed = weights.embed  # (vocab, hidden)
         self.final_norm = weights.final_norm  # (hidden,)
         q = quantization
-        # One load (or one failed build) of the int8 kernel for every layer, not one each.
-        gemm = load_int8_gemm() if q == "int8" and self.embed.device.type == "cpu" else None
+        device = self.embed.device
+        on_cpu = device.type == "cpu"
+        # One load (or one failed build) of each native kernel for every layer, not one each;
+        # the quantized-weight kernel only where some layer has such weights.
+        gemm = load_int8_gemm() if q == "int8" and on_cpu else None
+        qgemm = load_quant_gemm() if on_cpu and (q == "fp8" or any(
+            isinstance(lw.qkv, list) or isinstance(lw.down, list) for lw in weights.layers)
+        ) else None
         self.layers = [
-            _Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, q, int8_gemm=gemm),
-                   make_linear(lw.o_proj, None, q, int8_gemm=gemm), lw.post_norm,
+            _Layer(lw.input_norm,
+                   make_linear(lw.qkv, lw.qkv_bias, q, True, gemm, qgemm, device),
+                   make_linear(lw.o_proj, None, q, True, gemm, qgemm, device), lw.post_norm,
                    # The fused path needs gate_up as one GEMM: no prepacked halves (CPU only).
-                   GatedMLP(lw.gate_up, lw.down, q, prepacked=self.fused is None,
-                            int8_gemm=gemm))
+                   GatedMLP(lw.gate_up, lw.down, q, self.fused is None, gemm, qgemm, device))
             for lw in weights.layers
         ]
         # Tied embeddings: the packed (or int8) LM head is a second layout of the embedding
         # (+vocab x hidden), worth it since the head is the largest single matmul of a step.
-        self.lm_head = make_linear(weights.lm_head, None, q if quantize_lm_head else None,
-                                   int8_gemm=gemm)
+        # FP8 leaves the LM head in the model's dtype, as vLLM's --quantization fp8 does.
+        head_q = q if quantize_lm_head and q == "int8" else None
+        self.lm_head = make_linear(weights.lm_head, None, head_q, int8_gemm=gemm)
 
     def linear_weight_bytes(self) -> tuple[int, int]:
         """(bytes of the decoder layers' linear weights, bytes of the LM head's weight)."""

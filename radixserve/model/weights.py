@@ -2,7 +2,10 @@
 
 Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into gate_up),
 dtype/device placement, the loading progress bar, and reading only a tensor-parallel rank's
-slices (tp_shard.py says which). Does not know: the forward pass.
+slices (tp_shard.py says which). A pre-quantized checkpoint's linear layers (the
+QuantConfig of config.json's quantization_config) are read as QWeights by
+quantization/formats.py, sliced as their float weights would be. Does not know: the forward
+pass.
 """
 
 from __future__ import annotations
@@ -18,21 +21,29 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.model.arch import ModelArch
+from radixserve.model.quantization.config import QuantConfig
+from radixserve.model.quantization.formats import read_qweight
+from radixserve.model.quantization.qweight import QWeight
 from radixserve.model_source import ModelLoadError
 
 if TYPE_CHECKING:
     from radixserve.model.tp_shard import TPShard
 
 
+# A linear layer's weight: float (N, K), or a quantized checkpoint's projections (one QWeight
+# each, in output order: q, k, v or gate, up), which QuantLinear stacks where it can.
+LinearWeight = torch.Tensor | list[QWeight]
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # (hidden,)
-    qkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, hidden)
+    qkv: LinearWeight  # ((heads + 2 * kv_heads) * head_dim, hidden)
     qkv_bias: torch.Tensor | None  # ((heads + 2 * kv_heads) * head_dim,)
-    o_proj: torch.Tensor  # (hidden, heads * head_dim)
+    o_proj: LinearWeight  # (hidden, heads * head_dim)
     post_norm: torch.Tensor  # (hidden,)
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor  # (hidden, intermediate)
+    gate_up: LinearWeight  # (2 * intermediate, hidden)
+    down: LinearWeight  # (hidden, intermediate)
 
 
 @dataclass
@@ -80,10 +91,11 @@ def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def load_weights(
     hf_dir: Path, spec: ModelArch, dtype: torch.dtype, device: torch.device,
-    show_progress: bool = True, shard: TPShard | None = None,
+    show_progress: bool = True, shard: TPShard | None = None, quant: QuantConfig | None = None,
 ) -> ModelWeights:
     """The model's weights; with `shard`, only that tensor-parallel rank's slices
-    (model/tp_shard.py), the vocabulary shard padded to vocab_per_rank rows."""
+    (model/tp_shard.py), the vocabulary shard padded to vocab_per_rank rows; with `quant`,
+    the linear layers it quantizes as QWeights (on the CPU: the model moves them)."""
     with ExitStack() as stack:
         ckpt = _Checkpoint(hf_dir, stack)
         bar = stack.enter_context(tqdm(total=len(ckpt.where), desc="Loading weights",
@@ -92,16 +104,40 @@ def load_weights(
         def take(name: str, rows: slice | None = None, cols: slice | None = None
                  ) -> torch.Tensor:
             bar.update(1)
-            return ckpt.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
+            t = ckpt.read(name, rows, cols)
+            if not t.is_floating_point() or t.element_size() == 1:  # never cast codes silently
+                raise ModelLoadError(
+                    f"{hf_dir}: weight {name!r} is stored quantized ({t.dtype}) but its "
+                    "format is not read here (config.json's quantization_config does not "
+                    "cover it)")
+            return t.to(device=device, dtype=dtype).contiguous()
 
-        return _load(spec, take, shard, "lm_head.weight" in ckpt.where)
+        def raw(name: str) -> torch.Tensor:
+            bar.update(1)
+            return ckpt.read(name)
+
+        def linear(names: list[str], rows: list[slice | None], cols: slice | None = None
+                   ) -> LinearWeight:
+            schemes = {quant.scheme_for(n) for n in names} if quant is not None else {None}
+            if len(schemes) > 1:
+                raise ModelLoadError(f"{hf_dir}: {', '.join(names)} are quantized differently;"
+                                     " they must share one scheme (they are fused)")
+            scheme = schemes.pop()
+            if scheme is None:
+                return torch.cat([take(n + ".weight", r, cols)
+                                  for n, r in zip(names, rows, strict=True)])
+            return [read_qweight(raw, ckpt.where.__contains__, n, scheme).rows(r).cols(cols)
+                    for n, r in zip(names, rows, strict=True)]
+
+        return _load(spec, take, linear, shard, "lm_head.weight" in ckpt.where)
 
 
 Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor
+TakeLinear = Callable[..., LinearWeight]  # (names, rows per name, cols=None) -> weight
 
 
-def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
-          ) -> ModelWeights:
+def _load(spec: ModelArch, take: Take, linear: TakeLinear, shard: TPShard | None,
+          has_lm_head: bool) -> ModelWeights:
     q = kv = mlp = vocab = None
     if shard is not None:
         q, kv, mlp = shard.q_rows(), shard.kv_rows(), shard.mlp_rows()
@@ -110,7 +146,7 @@ def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         rows = {"q": q, "k": kv, "v": kv}
-        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight", rows[n]) for n in "qkv"])
+        qkv = linear([p + f"self_attn.{n}_proj" for n in "qkv"], [q, kv, kv])
         bias = None
         if spec.qkv_bias:
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"])
@@ -119,11 +155,10 @@ def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv,
                 qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight", None, q),
+                o_proj=linear([p + "self_attn.o_proj"], [None], q),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight", mlp),
-                                   take(p + "mlp.up_proj.weight", mlp)]),
-                down=take(p + "mlp.down_proj.weight", None, mlp),
+                gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"], [mlp, mlp]),
+                down=linear([p + "mlp.down_proj"], [None], mlp),
             )
         )
     embed = take("embed_tokens.weight", vocab)
