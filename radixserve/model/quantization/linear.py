@@ -44,10 +44,11 @@ class _Part:
         self.gpu: object | None = None
         if self.gemm is not None:
             self.packed = pack_for_cpu(w)
-        elif device.type == "cuda" and w.kind is not Kind.INT8:
+        elif device.type == "cuda" and _has_triton_kernel(w):
             from triton_kernels.quant_gemm import prepare_weight  # needs triton
 
-            self.gpu = prepare_weight(w, device)
+            self.gpu = prepare_weight(int(w.kind), w.codes, w.scale, w.zero, w.group_size,
+                                      device)
         else:
             self.weight = QWeight(w.kind, w.codes.to(device), w.scale.to(device),
                                   None if w.zero is None else w.zero.to(device), w.group_size)
@@ -79,6 +80,13 @@ class _Part:
         outs = [F.linear(x, _rows(w, r, r + FALLBACK_ROWS).dequantize().to(x.dtype))
                 for r in range(0, self.n, FALLBACK_ROWS)]  # (M, <= FALLBACK_ROWS) each
         return torch.cat(outs, dim=1)
+
+
+def _has_triton_kernel(w: QWeight) -> bool:
+    """int4 (W4A16), and fp8 whose groups are whole K tiles (W8A8); int8 has none."""
+    if w.kind is Kind.INT4:
+        return True
+    return w.kind is Kind.FP8 and (w.group_size >= w.shape[1] or w.group_size % 16 == 0)
 
 
 def _rows(w: QWeight, start: int, stop: int) -> QWeight:
