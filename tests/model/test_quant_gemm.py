@@ -12,7 +12,7 @@ from radixserve.model.quantization.cpu_kernel import (
     pack_for_cpu,
     quant_gemm_reference,
 )
-from radixserve.model.quantization.linear import FALLBACK_ROWS, QuantLinear
+from radixserve.model.quantization.linear import FALLBACK_ROWS, PANEL_MIN_ROWS, QuantLinear
 from radixserve.model.quantization.qweight import QWeight, quantize_fp8, quantize_int
 
 CPU = torch.device("cpu")
@@ -34,7 +34,7 @@ def gemm() -> object:
 
 
 @pytest.mark.parametrize(("m", "n", "k", "group"), [
-    (1, 48, 64, 32), (5, 33, 70, 32), (70, 16, 128, 128), (3, 20, 100, 48)])
+    (1, 48, 64, 32), (5, 33, 70, 32), (70, 16, 128, 128), (3, 20, 100, 48), (4, 40, 96, 96)])
 def test_kernel_matches_dequantize_then_matmul(gemm: object, m: int, n: int, k: int,
                                                group: int) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -81,3 +81,14 @@ def test_projections_stack_or_stay_separate(gemm: object) -> None:
     torch.testing.assert_close(split(x), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(stacked(x), x @ torch.cat([a.dequantize(), b.dequantize()]).t()
                                + 1, rtol=1e-5, atol=1e-4)
+
+
+def test_every_row_count_path(gemm: object) -> None:
+    """Decode rows (the scratch-free path), the tiled path and prefill panels all agree."""
+    w = torch.randn(300, 160, generator=torch.Generator().manual_seed(7))
+    for q in (quantize_int(w, 4, 32, symmetric=False), quantize_fp8(w, 32)):
+        lin = QuantLinear([q], None, CPU, gemm)  # type: ignore[arg-type]
+        for m in (1, 4, 5, PANEL_MIN_ROWS - 1, PANEL_MIN_ROWS, 2 * PANEL_MIN_ROWS + 3):
+            x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+            torch.testing.assert_close(lin(x), quant_gemm_reference(x, q), rtol=1e-5,
+                                       atol=1e-4, msg=f"{q.kind.name} rows {m}")

@@ -24,7 +24,7 @@ from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 from radixserve.model.quantization.qweight import Kind, QWeight
 
 SOURCE = Path(__file__).parent.parent / "csrc" / "quant_gemm.cpp"
-EXT_BASE = "radixserve_quant_gemm_v1"  # bump with the source: a fresh build, not a stale one
+EXT_BASE = "radixserve_quant_gemm_v4"  # bump with the source: a fresh build, not a stale one
 BLOCK = 16  # output channels per packed block
 
 # (x (M, K), packed, scale, zero, kind, N, group_size) -> y (M, N)

@@ -2,7 +2,9 @@
 
 Owns: choosing the GEMM per device and holding the one copy of the weight it reads: on CPU
 the native kernel's packed layout (cpu_kernel.py; int4 / int8 / fp8 dequantized in registers,
-activations in the model's dtype); on CUDA the Triton W4A16 GEMM (int4) and FP8 W8A8 GEMM
+activations in the model's dtype; from PANEL_MIN_ROWS rows (prefill), panels of PANEL_ROWS
+output channels dequantized to the activations' dtype and multiplied with torch's GEMM, one
+panel at a time); on CUDA the Triton W4A16 GEMM (int4) and FP8 W8A8 GEMM
 (fp8, dynamic per-token activation scales) of triton_kernels/quant_gemm.py; elsewhere (no
 native build, int8 on CUDA) a dequantize-then-matmul over slices of at most
 FALLBACK_ROWS output channels, so no full float copy of the weight ever exists. Projections
@@ -26,6 +28,13 @@ from radixserve.model.quantization.cpu_kernel import (
 from radixserve.model.quantization.qweight import Kind, QWeight, can_stack, stack_rows
 
 FALLBACK_ROWS = 256  # output channels dequantized at a time without a kernel
+# From this many rows the native path dequantizes panels and runs torch's (oneDNN) GEMM on
+# them: its blocking beats the in-register kernel once the dequantization is shared by many
+# rows (figures: bench/quant_formats.py, docs/quantization.md).
+PANEL_MIN_ROWS = 32
+# Output channels per dequantized panel: 1024 x K values at a time (16 MiB of bf16 at
+# K = 8192), few enough parallel regions that their start-up stays small.
+PANEL_ROWS = 1024
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -53,6 +62,12 @@ class _Part:
             self.weight = QWeight(w.kind, w.codes.to(device), w.scale.to(device),
                                   None if w.zero is None else w.zero.to(device), w.group_size)
 
+    @staticmethod
+    def _panels(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:  # (M, K) -> (M, N)
+        outs = [x @ _dequantize_rows(p, n0, min(n0 + PANEL_ROWS, p.n), x.dtype)
+                for n0 in range(0, p.n, PANEL_ROWS)]  # (M, <= PANEL_ROWS) each
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
     @property
     def nbytes(self) -> int:
         if self.packed is not None:
@@ -69,6 +84,8 @@ class _Part:
         if self.packed is not None:
             assert self.gemm is not None
             p = self.packed
+            if x.shape[0] >= PANEL_MIN_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+                return self._panels(x, p)
             return self.gemm(x.contiguous(), p.codes, p.scale, p.zero, int(p.kind), p.n,
                              p.group_size)
         if self.gpu is not None:
@@ -80,6 +97,14 @@ class _Part:
         outs = [F.linear(x, _rows(w, r, r + FALLBACK_ROWS).dequantize().to(x.dtype))
                 for r in range(0, self.n, FALLBACK_ROWS)]  # (M, <= FALLBACK_ROWS) each
         return torch.cat(outs, dim=1)
+
+
+def _dequantize_rows(p: PackedWeight, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Output channels [n0, n1) dequantized by the native op: W[n0:n1].T, (K, n1 - n0) in
+    `dtype`."""
+    w: torch.Tensor = torch.ops.radixserve.quant_dequantize(
+        p.codes, p.scale, p.zero, int(p.kind), p.n, p.k, p.group_size, n0, n1, dtype)
+    return w
 
 
 def _has_triton_kernel(w: QWeight) -> bool:
