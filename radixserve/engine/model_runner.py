@@ -29,11 +29,10 @@ from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
 from radixserve.engine.tp_lead import TPLead, start_tp
 from radixserve.engine.tp_ranks import TPRank
-from radixserve.model.arch import ModelArch, read_model_spec
+from radixserve.model.arch import ModelArch
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
-from radixserve.model.llama import LlamaModel
+from radixserve.model.families.registry import build_model, family_of, read_model_spec
 from radixserve.model.quantization.config import read_quant_config, resolve_quantization
-from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
@@ -110,19 +109,19 @@ class ModelRunner:
             shard, self.tp, self.tp_lead = start_tp(cfg, self.spec, self.device, tp_rank)
         self.is_lead = tp_rank is None or tp_rank.rank == 0
         self.quant_config = read_quant_config(self.resolved.hf_dir)
-        # What builds the linear layers: the flag's load-time quantization (int8 / fp8) of a
-        # float checkpoint, or None for a checkpoint whose weights come quantized.
+        # The flag's load-time quantization (int8 / fp8) of a float checkpoint, or None for a
+        # checkpoint whose weights come quantized (a contradicting flag is a load error).
         online_quant = resolve_quantization(cfg.quantization, self.quant_config)
         self.quantization = online_quant or (None if self.quant_config is None
                                              else self.quant_config.method)
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
-                               show_progress, shard, self.quant_config)
-        rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
-                             self.device)
+                               show_progress, shard,
+                               family_of(self.spec.architecture).weight_names, self.quant_config)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
-        self.model = LlamaModel(model_spec, weights, rotary, backend, online_quant,
-                                tp=self.tp, shard=shard)
+        self.model = build_model(model_spec, weights, backend, self.max_model_len,
+                                 online_quant, tp=self.tp, shard=shard,
+                                 checkpoint_quant=self.quant_config)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),

@@ -2,9 +2,8 @@
 
 Owns: `Linear` (y = x @ W.T + bias, optionally plus a residual), `GatedMLP` (SwiGLU with the
 residual add), the choice between oneDNN's prepacked weights and plain `F.linear`, and
-`make_linear`, which also hands out quant.py's Int8Linear and quantization/linear.py's
-QuantLinear (a pre-quantized checkpoint's weights, or `--quantization fp8`). Does not know:
-the model's layers (llama.py), configs, attention.
+`make_linear`, which also hands out quant.py's Int8Linear. Does not know: the model's layers
+(llama.py), configs, attention.
 
 Prepacked (CPU, fp32 or bf16 where oneDNN has it): every weight is reordered once, at load,
 into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and multiplied with
@@ -27,9 +26,6 @@ import torch.nn.functional as F
 
 from radixserve.model.int8_kernel import Int8Gemm
 from radixserve.model.quant import Int8Linear
-from radixserve.model.quantization.cpu_kernel import QuantGemm
-from radixserve.model.quantization.linear import QuantLinear
-from radixserve.model.quantization.qweight import QWeight, quantize_fp8
 
 PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; any row count works
 
@@ -90,24 +86,12 @@ class Linear:
         return residual + self(x)
 
 
-AnyLinear = Linear | Int8Linear | QuantLinear
-
-
-def make_linear(weight: torch.Tensor | list[QWeight], bias: torch.Tensor | None,
-                quantization: str | None, prepacked: bool = True,
-                int8_gemm: Int8Gemm | None | Literal["load"] = "load",
-                quant_gemm: QuantGemm | None | Literal["load"] = "load",
-                device: torch.device | None = None) -> AnyLinear:
-    """`int8_gemm` / `quant_gemm`: Int8Linear's / QuantLinear's native CPU kernel (pass one
-    loaded once for many layers). A list of QWeights (a quantized checkpoint's) is a
-    QuantLinear on `device` whatever `quantization` says."""
-    if isinstance(weight, list):
-        assert device is not None
-        return QuantLinear(weight, bias, device, quant_gemm)
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None,
+                prepacked: bool = True, int8_gemm: Int8Gemm | None | Literal["load"] = "load"
+                ) -> Linear | Int8Linear:
+    """`int8_gemm`: Int8Linear's `native` kernel (pass one loaded once for many layers)."""
     if quantization == "int8":
         return Int8Linear(weight, bias, int8_gemm)
-    if quantization == "fp8":  # vLLM's flag: per-channel FP8 weights quantized at load
-        return QuantLinear([quantize_fp8(weight)], bias, weight.device, quant_gemm)
     assert quantization is None, quantization  # validated at the edge (EngineConfig)
     return Linear(weight, bias, prepacked)
 
@@ -121,26 +105,16 @@ class GatedMLP:
     fused gate_up weight; int8: one fused gate_up matmul (its kernels have no epilogues).
     """
 
-    def __init__(self, gate_up: torch.Tensor | list[QWeight], down: torch.Tensor | list[QWeight],
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
                  quantization: str | None = None, prepacked: bool = True,
-                 int8_gemm: Int8Gemm | None | Literal["load"] = "load",
-                 quant_gemm: QuantGemm | None | Literal["load"] = "load",
-                 device: torch.device | None = None) -> None:
-        self.down = make_linear(down, None, quantization, prepacked, int8_gemm, quant_gemm,
-                                device)
-        self.gate_up_q: Int8Linear | QuantLinear | None = None
-        if isinstance(gate_up, list) or quantization in ("int8", "fp8"):
-            q = make_linear(gate_up, None, quantization, prepacked, int8_gemm, quant_gemm,
-                            device)
-            assert not isinstance(q, Linear)
-            self.gate_up_q = q
+                 int8_gemm: Int8Gemm | None | Literal["load"] = "load") -> None:
+        inter = gate_up.shape[0] // 2
+        self.down = make_linear(down, None, quantization, prepacked, int8_gemm)
+        self.gate_up_q = Int8Linear(gate_up, None, int8_gemm) if quantization == "int8" else None
         gate = up = None
-        self.gate_up: torch.Tensor | None = None
         if self.gate_up_q is None:
-            assert isinstance(gate_up, torch.Tensor)
-            inter = gate_up.shape[0] // 2
             gate, up = prepack(gate_up[:inter], prepacked), prepack(gate_up[inter:], prepacked)
-            self.gate_up = gate_up if gate is None or up is None else None
+        self.gate_up = gate_up if self.gate_up_q is None and (gate is None or up is None) else None
         self.gate, self.up = (gate, up) if self.gate_up is None else (None, None)
 
     @property

@@ -1,18 +1,20 @@
 """Reading safetensors weights into the fused layout the forward pass uses.
 
-Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into gate_up),
+Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into gate_up, or
+read fused where the checkpoint stores them so: Phi-3's qkv_proj / gate_up_proj; a family's
+extra per-layer tensors such as QK-norms and Gemma's feed-forward norms: WeightNames),
 dtype/device placement, the loading progress bar, and reading only a tensor-parallel rank's
-slices (tp_shard.py says which). A pre-quantized checkpoint's linear layers (the
-QuantConfig of config.json's quantization_config) are read as QWeights by
-quantization/formats.py, sliced as their float weights would be. Does not know: the forward
-pass.
+slices (tp_shard.py says which). A pre-quantized checkpoint's linear layers (those its
+QuantConfig, from config.json's quantization_config, covers) are read as QWeights by
+quantization/formats.py and sliced as their float weights would be; quantized tensors are
+never cast to float silently. Does not know: the forward pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,27 +25,34 @@ from tqdm import tqdm
 from radixserve.model.arch import ModelArch
 from radixserve.model.quantization.config import QuantConfig
 from radixserve.model.quantization.formats import read_qweight
-from radixserve.model.quantization.qweight import QWeight
+from radixserve.model.quantization.qweight import LinearWeight, QWeight
 from radixserve.model_source import ModelLoadError
 
 if TYPE_CHECKING:
     from radixserve.model.tp_shard import TPShard
 
 
-# A linear layer's weight: float (N, K), or a quantized checkpoint's projections (one QWeight
-# each, in output order: q, k, v or gate, up), which QuantLinear stacks where it can.
-LinearWeight = torch.Tensor | list[QWeight]
-
-
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # (hidden,)
+    # A linear weight: float (out, in), or a quantized checkpoint's projections (one QWeight
+    # each, in output order: q, k, v or gate, up), which QuantLinear stacks where it can.
     qkv: LinearWeight  # ((heads + 2 * kv_heads) * head_dim, hidden)
     qkv_bias: torch.Tensor | None  # ((heads + 2 * kv_heads) * head_dim,)
     o_proj: LinearWeight  # (hidden, heads * head_dim)
     post_norm: torch.Tensor  # (hidden,)
     gate_up: LinearWeight  # (2 * intermediate, hidden)
     down: LinearWeight  # (hidden, intermediate)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # WeightNames.extra's
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """A family's per-layer checkpoint names (under `layers.N.`) where they are not Llama's."""
+
+    fused_qkv: str | None = None  # e.g. "self_attn.qkv_proj": q, k, v rows in one tensor
+    fused_gate_up: str | None = None  # e.g. "mlp.gate_up_proj": gate rows, then up rows
+    extra: tuple[str, ...] = ()  # replicated per-layer weights, e.g. "self_attn.q_norm"
 
 
 @dataclass
@@ -91,11 +100,13 @@ def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def load_weights(
     hf_dir: Path, spec: ModelArch, dtype: torch.dtype, device: torch.device,
-    show_progress: bool = True, shard: TPShard | None = None, quant: QuantConfig | None = None,
+    show_progress: bool = True, shard: TPShard | None = None,
+    names: WeightNames = WeightNames(), quant: QuantConfig | None = None,
 ) -> ModelWeights:
-    """The model's weights; with `shard`, only that tensor-parallel rank's slices
-    (model/tp_shard.py), the vocabulary shard padded to vocab_per_rank rows; with `quant`,
-    the linear layers it quantizes as QWeights (on the CPU: the model moves them)."""
+    """The model's weights (`names`: the family's checkpoint names); with `shard`, only that
+    tensor-parallel rank's slices (model/tp_shard.py), the vocabulary shard padded to
+    vocab_per_rank rows; with `quant`, the linear layers it covers as QWeights (on the CPU:
+    the model's linear method moves them)."""
     with ExitStack() as stack:
         ckpt = _Checkpoint(hf_dir, stack)
         bar = stack.enter_context(tqdm(total=len(ckpt.where), desc="Loading weights",
@@ -116,28 +127,97 @@ def load_weights(
             bar.update(1)
             return ckpt.read(name)
 
-        def linear(names: list[str], rows: list[slice | None], cols: slice | None = None
-                   ) -> LinearWeight:
-            schemes = {quant.scheme_for(n) for n in names} if quant is not None else {None}
-            if len(schemes) > 1:
-                raise ModelLoadError(f"{hf_dir}: {', '.join(names)} are quantized differently;"
-                                     " they must share one scheme (they are fused)")
-            scheme = schemes.pop()
+        def qtake(module: str, rows: slice | None = None, cols: slice | None = None
+                  ) -> QWeight | None:
+            scheme = None if quant is None else quant.scheme_for(module)
             if scheme is None:
-                return torch.cat([take(n + ".weight", r, cols)
-                                  for n, r in zip(names, rows, strict=True)])
-            return [read_qweight(raw, ckpt.where.__contains__, n, scheme).rows(r).cols(cols)
-                    for n, r in zip(names, rows, strict=True)]
+                return None
+            return read_qweight(raw, ckpt.where.__contains__, module, scheme).rows(rows).cols(
+                cols)
 
-        return _load(spec, take, linear, shard, "lm_head.weight" in ckpt.where)
+        return _load(spec, _Readers(take, qtake), shard, "lm_head.weight" in ckpt.where,
+                     names)
 
 
 Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor
-TakeLinear = Callable[..., LinearWeight]  # (names, rows per name, cols=None) -> weight
+# (module, rows=None, cols=None) -> its QWeight, or None where it is stored unquantized
+QTake = Callable[..., QWeight | None]
 
 
-def _load(spec: ModelArch, take: Take, linear: TakeLinear, shard: TPShard | None,
-          has_lm_head: bool) -> ModelWeights:
+@dataclass(frozen=True)
+class _Readers:
+    take: Take
+    qtake: QTake
+
+    def __call__(self, name: str, rows: slice | None = None, cols: slice | None = None
+                 ) -> torch.Tensor:
+        return self.take(name, rows, cols)
+
+    def part(self, module: str, rows: slice | None = None, cols: slice | None = None
+             ) -> torch.Tensor | QWeight:
+        """One projection's weight: its QWeight where quantized, else the float tensor."""
+        q = self.qtake(module, rows, cols)
+        return self.take(module + ".weight", rows, cols) if q is None else q
+
+    def linear(self, parts: list[torch.Tensor | QWeight], what: str) -> LinearWeight:
+        """Projections of one input fused: float rows concatenated, or the QWeights."""
+        floats = [p for p in parts if isinstance(p, torch.Tensor)]
+        if len(floats) == len(parts):
+            return torch.cat(floats)
+        if floats:
+            raise ModelLoadError(f"{what}: some of its projections are quantized and some are "
+                                 "not; fused projections must share one scheme")
+        return [p for p in parts if isinstance(p, QWeight)]
+
+
+def _shift(rows: slice | None, offset: int, size: int) -> slice:
+    """Rows of a sub-projection inside a fused tensor (None: all `size` of them)."""
+    start, stop = (0, size) if rows is None else (rows.start, rows.stop)
+    return slice(offset + start, offset + stop)
+
+
+def _qkv_bias(spec: ModelArch, take: Take, p: str, rows: dict[str, slice | None],
+              names: WeightNames) -> torch.Tensor:
+    """The q, k, v rows (this rank's) of the bias, as one tensor."""
+    if names.fused_qkv is None:
+        return torch.cat([take(p + f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"])
+    name = f"{p}{names.fused_qkv}.bias"
+    if all(r is None for r in rows.values()):
+        return take(name)
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+    return torch.cat([take(name, _shift(rows[n], *offsets[n])) for n in "qkv"])
+
+
+def _qkv(spec: ModelArch, read: _Readers, p: str, rows: dict[str, slice | None],
+         names: WeightNames) -> LinearWeight:
+    """The q, k, v rows (this rank's) of the weight, fused."""
+    if names.fused_qkv is None:
+        return read.linear([read.part(p + f"self_attn.{n}_proj", rows[n]) for n in "qkv"],
+                           p + "self_attn")
+    name = p + names.fused_qkv
+    if all(r is None for r in rows.values()):
+        return read.linear([read.part(name)], name)
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+    return read.linear([read.part(name, _shift(rows[n], *offsets[n])) for n in "qkv"], name)
+
+
+def _gate_up(spec: ModelArch, read: _Readers, p: str, mlp: slice | None, names: WeightNames
+             ) -> LinearWeight:
+    if names.fused_gate_up is None:
+        return read.linear([read.part(p + "mlp.gate_proj", mlp),
+                            read.part(p + "mlp.up_proj", mlp)], p + "mlp")
+    name = p + names.fused_gate_up
+    if mlp is None:
+        return read.linear([read.part(name)], name)
+    inter = spec.intermediate_size
+    return read.linear([read.part(name, _shift(mlp, 0, inter)),
+                        read.part(name, _shift(mlp, inter, inter))], name)
+
+
+def _load(spec: ModelArch, take: _Readers, shard: TPShard | None, has_lm_head: bool,
+          names: WeightNames) -> ModelWeights:
     q = kv = mlp = vocab = None
     if shard is not None:
         q, kv, mlp = shard.q_rows(), shard.kv_rows(), shard.mlp_rows()
@@ -146,19 +226,18 @@ def _load(spec: ModelArch, take: Take, linear: TakeLinear, shard: TPShard | None
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         rows = {"q": q, "k": kv, "v": kv}
-        qkv = linear([p + f"self_attn.{n}_proj" for n in "qkv"], [q, kv, kv])
-        bias = None
-        if spec.qkv_bias:
-            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"])
+        qkv = _qkv(spec, take, p, rows, names)
+        bias = _qkv_bias(spec, take, p, rows, names) if spec.qkv_bias else None
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv,
                 qkv_bias=bias,
-                o_proj=linear([p + "self_attn.o_proj"], [None], q),
+                o_proj=take.linear([take.part(p + "self_attn.o_proj", None, q)], "o_proj"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"], [mlp, mlp]),
-                down=linear([p + "mlp.down_proj"], [None], mlp),
+                gate_up=_gate_up(spec, take, p, mlp, names),
+                down=take.linear([take.part(p + "mlp.down_proj", None, mlp)], "down_proj"),
+                extra={n: take(f"{p}{n}.weight") for n in names.extra},
             )
         )
     embed = take("embed_tokens.weight", vocab)

@@ -159,3 +159,12 @@ def quantize_int(weight: torch.Tensor, bits: int, group_size: int, symmetric: bo
     codes = torch.round(w / scale[:, idx] + zero[:, idx]).clamp(0, top).to(torch.uint8)
     kind = Kind.INT4 if bits == 4 else Kind.INT8
     return QWeight(kind, codes, scale, zero, group_size)
+
+
+# A linear layer's weight as the loader hands it over: float (out, in), or a quantized
+# checkpoint's projections (one QWeight each, in output order), stacked where they can be.
+LinearWeight = torch.Tensor | list[QWeight]
+
+
+def out_features(w: LinearWeight) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else sum(p.shape[0] for p in w)
