@@ -184,3 +184,29 @@ def test_tensor_parallel_slices() -> None:
         assert torch.equal(q.cols(slice(32, 96)).dequantize(), full[:, 32:96])
     with pytest.raises(ModelLoadError, match="quantization groups of 32"):
         quantize_int(w, 4, 32).cols(slice(0, 40))
+
+
+@pytest.mark.parametrize(("method", "opts"), [
+    ("fp8", {"block": (32, 32)}),
+    ("compressed-tensors", {"format": "pack-quantized", "bits": 4, "group": 32,
+                            "symmetric": False})])
+def test_tensor_parallel_slices_scales_with_the_weights(src: Path, tmp_path: Path, method: str,
+                                                        opts: dict[str, Any]) -> None:
+    """TP 2: q/k/v, gate/up rows and o_proj/down input columns (with their groups' scales and
+    zero points) split across the ranks; the tokens stay HF's on the dequantized weights."""
+    quant_dir, deq_dir = write_quantized(src, tmp_path, method, **opts)
+    llm = LLM(model=str(quant_dir), dtype="float32", tensor_parallel_size=2,
+              kv_cache_tokens=8192)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
+                                                    ignore_eos=True))
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == hf_greedy(deq_dir, PROMPTS, 12)
+
+
+def test_qwen2_gptq_with_qkv_bias(tmp_path: Path) -> None:
+    qwen = make_tiny_model(tmp_path / "qwen2", "qwen2")
+    quant_dir, deq_dir = write_quantized(qwen, tmp_path, "gptq", bits=4, group=32)
+    _, ours = _greedy(quant_dir)
+    assert ours == hf_greedy(deq_dir, PROMPTS, 12)
