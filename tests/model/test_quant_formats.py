@@ -210,3 +210,15 @@ def test_qwen2_gptq_with_qkv_bias(tmp_path: Path) -> None:
     quant_dir, deq_dir = write_quantized(qwen, tmp_path, "gptq", bits=4, group=32)
     _, ours = _greedy(quant_dir)
     assert ours == hf_greedy(deq_dir, PROMPTS, 12)
+
+
+def test_server_info_reports_method_and_bytes(src: Path, tmp_path: Path) -> None:
+    """`radixserve serve --model <fp8 folder> --quantization fp8` as a user runs it."""
+    from tests.server_proc import running_server
+
+    quant_dir, _ = write_quantized(src, tmp_path, "fp8", block=(32, 32))
+    with running_server(quant_dir, tmp_path / "log", ["--quantization", "fp8"]) as server:
+        status, info = server.get("/server_info")
+    assert status == 200
+    engine = info["engine_info"]
+    assert engine["quantization"] == "fp8" and engine["linear_weight_bytes"] > 0
