@@ -14,7 +14,7 @@ GEMMs whose outputs are concatenated. Does not know: checkpoint formats, the mod
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from radixserve.model.quantization.cpu_kernel import (
     pack_for_cpu,
 )
 from radixserve.model.quantization.qweight import Kind, QWeight, can_stack, stack_rows
+
+if TYPE_CHECKING:
+    from triton_kernels.quant_gemm import GpuQuantWeight
 
 FALLBACK_ROWS = 256  # output channels dequantized at a time without a kernel
 # From this many rows the native path dequantizes panels and runs torch's (oneDNN) GEMM on
@@ -50,7 +53,7 @@ class _Part:
         self.gemm = gemm if device.type == "cpu" else None
         self.packed: PackedWeight | None = None
         self.weight: QWeight | None = None
-        self.gpu: object | None = None
+        self.gpu: GpuQuantWeight | None = None
         if self.gemm is not None:
             self.packed = pack_for_cpu(w)
         elif device.type == "cuda" and _has_triton_kernel(w):
@@ -73,7 +76,7 @@ class _Part:
         if self.packed is not None:
             return self.packed.nbytes
         if self.gpu is not None:
-            return int(self.gpu.nbytes)  # type: ignore[attr-defined]
+            return self.gpu.nbytes
         assert self.weight is not None
         w = self.weight
         return _nbytes(w.codes) + _nbytes(w.scale) + _nbytes(w.zero)
