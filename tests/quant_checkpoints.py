@@ -71,14 +71,14 @@ def _ct(w: torch.Tensor, opts: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
                 }, qw.dequantize()
     bits, group, sym = opts["bits"], opts.get("group", -1), opts.get("symmetric", True)
     qw = quantize_int(w, bits, group if group > 0 else w.shape[1], sym)
+    assert qw.zero is not None
     if fmt == "naive-quantized":
         return {"weight": (qw.codes.to(torch.int16) - 128).to(torch.int8),
                 "weight_scale": qw.scale, "weight_zero_point":
-                (qw.zero - 128).to(torch.int8)}, qw.dequantize()  # type: ignore[operator]
+                (qw.zero - 128).to(torch.int8)}, qw.dequantize()
     out = {"weight_packed": pack_words(qw.codes, bits, 1), "weight_scale": qw.scale,
            "weight_shape": torch.tensor(list(w.shape))}
     if not sym:
-        assert qw.zero is not None
         out["weight_zero_point"] = pack_words(qw.zero.to(torch.int64), bits, 0)
     return out, qw.dequantize()
 
