@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from radixserve.model.quantization.qweight import FP8_MAX, quantize_fp8, quantize_int
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "qkv_proj", "gate_up_proj")  # the last two: fused in the checkpoint (Phi-3)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

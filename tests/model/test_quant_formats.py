@@ -222,3 +222,17 @@ def test_server_info_reports_method_and_bytes(src: Path, tmp_path: Path) -> None
     assert status == 200
     engine = info["engine_info"]
     assert engine["quantization"] == "fp8" and engine["linear_weight_bytes"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3"])
+def test_every_family_takes_quantized_weights(family: str, tmp_path: Path) -> None:
+    """The linear method plugs into every family's linear layers: Qwen3 (QK-norm, one KV
+    head), Gemma 2 (soft-caps, sliding layers), Phi-3 (qkv_proj / gate_up_proj quantized
+    fused in the checkpoint)."""
+    from tests.family_models import make_family_model
+
+    model = make_family_model(tmp_path / family, family)
+    quant_dir, deq_dir = write_quantized(model, tmp_path, "compressed-tensors",
+                                         format="pack-quantized", bits=4, group=32)
+    _, ours = _greedy(quant_dir)
+    assert ours == hf_greedy(deq_dir, PROMPTS, 12)
