@@ -1,5 +1,6 @@
-"""Quantized-weight GEMMs on CPU in the Llama-3.2-1B shape: resident bytes and speed of one
-decoder layer's linear layers against bf16, side by side in one run.
+"""Quantized-weight GEMMs on CPU, Llama-3.2-1B shape: resident bytes and speed against bf16.
+
+One decoder layer's linear layers, side by side in one run.
 
     python -m bench.quant_formats                 # rows 1 and 512, median of 5
     python -m bench.quant_formats --rows 1 --runs 9

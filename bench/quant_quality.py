@@ -1,5 +1,6 @@
-"""Quantized weights' quality on SmolLM2: held-out log-likelihood against bf16, as
-bench/kv_quant_quality.py measures the 8-bit KV cache (its text, its scoring).
+"""Quantized weights' quality on SmolLM2: held-out log-likelihood against bf16.
+
+Measured as bench/kv_quant_quality.py measures the 8-bit KV cache (its text, its scoring).
 
     python -m bench.quant_quality                  # smollm2-135m, dtype auto
 
