@@ -30,7 +30,11 @@ class SchedulePolicy(enum.StrEnum):
 
 SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-QUANTIZATIONS = ("int8",)  # weight int8, per output channel (model/quant.py)
+# int8: weight int8, per output channel (model/quant.py); fp8: per-channel FP8 weights
+# quantized at load (model/quantization/). A pre-quantized checkpoint needs no flag; its own
+# method's name (awq, gptq, compressed-tensors, fp8) is accepted as a no-op, as vLLM does.
+QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")
+ONLINE_QUANTIZATIONS = ("int8", "fp8")  # those that quantize a float checkpoint at load
 EVICTION_POLICIES = ("lru", "slru")
 KV_OFFLOAD_WRITE_POLICIES = ("write_back", "write_through")
 TIER_BLOCK_SIZE = 16  # tier blocks are kv_events' blocks
@@ -42,7 +46,7 @@ class EngineConfig:
     # auto: bfloat16 on CUDA, on CPUs with AMX, and on AVX512-BF16 CPUs where a start-up
     # matmul measures it faster than fp32; else float32 (model/auto_dtype.py)
     dtype: str = "auto"
-    quantization: str | None = None  # "int8": int8 weights for every linear layer
+    quantization: str | None = None  # one of QUANTIZATIONS (None: the checkpoint's own)
     device: str = "auto"  # auto: cuda if available else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped)
     kv_cache_tokens: int | None = None  # default: sized from free memory

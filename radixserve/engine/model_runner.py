@@ -32,6 +32,7 @@ from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.families.registry import build_model, family_of, read_model_spec
+from radixserve.model.quantization.config import read_quant_config, resolve_quantization
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
@@ -114,8 +115,15 @@ class ModelRunner:
         if tp_size > 1:
             shard, self.tp, self.tp_lead = start_tp(cfg, self.spec, self.device, tp_rank)
         self.is_lead = tp_rank is None or tp_rank.rank == 0
+        self.quant_config = read_quant_config(self.resolved.hf_dir)
+        # The flag's load-time quantization (int8 / fp8) of a float checkpoint, or None for a
+        # checkpoint whose weights come quantized (a contradicting flag is a load error).
+        online_quant = resolve_quantization(cfg.quantization, self.quant_config)
+        self.quantization = online_quant or (None if self.quant_config is None
+                                             else self.quant_config.method)
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
-                               show_progress, shard, family_of(self.spec.architecture).weight_names)
+                               show_progress, shard,
+                               family_of(self.spec.architecture).weight_names, self.quant_config)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
         # which native tier runs (its build and any fallback happened just above)
         self.cpu_kernels = kernel_tier_line() if self.device.type == "cpu" else None
@@ -123,11 +131,12 @@ class ModelRunner:
             logger.info("CPU kernels: %s", self.cpu_kernels)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
         self.model = build_model(model_spec, weights, backend, self.max_model_len,
-                                 cfg.quantization, tp=self.tp, shard=shard)
+                                 online_quant, tp=self.tp, shard=shard,
+                                 checkpoint_quant=self.quant_config)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
-                    f", {cfg.quantization}" if cfg.quantization else "")
+                    f", {self.quantization}" if self.quantization else "")
         self.kv_cache_dtype = cfg.kv_cache_dtype
         kv_dtype = storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.pool = KVPool(self._pool_size(cfg, kv_dtype, model_spec.num_kv_heads),

@@ -5,8 +5,10 @@ read fused where the checkpoint stores them so: Phi-3's qkv_proj / gate_up_proj;
 extra per-layer tensors such as QK-norms and Gemma's feed-forward norms: WeightNames),
 dtype/device placement, the loading progress bar, and reading only a tensor-parallel rank's
 slices (tp_shard.py says which); a MoE model's sparse layers read through
-layers/moe_weights.py (either expert layout, this rank's experts). Does not know: the
-forward pass.
+layers/moe_weights.py (either expert layout, this rank's experts). A pre-quantized checkpoint's linear layers (those its
+QuantConfig, from config.json's quantization_config, covers) are read as QWeights by
+quantization/formats.py and sliced as their float weights would be; quantized tensors are
+never cast to float silently. Does not know: the forward pass.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from radixserve.model.arch import ModelArch
 from radixserve.model.layers.moe import MoEWeights
 from radixserve.model.layers.moe_spec import moe_of
 from radixserve.model.layers.moe_weights import expert_part, load_moe_weights
+from radixserve.model.quantization.config import QuantConfig
+from radixserve.model.quantization.formats import read_qweight
+from radixserve.model.quantization.qweight import LinearWeight, QWeight
 from radixserve.model_source import ModelLoadError
 
 if TYPE_CHECKING:
@@ -34,12 +39,14 @@ if TYPE_CHECKING:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # (hidden,)
-    qkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, hidden)
+    # A linear weight: float (out, in), or a quantized checkpoint's projections (one QWeight
+    # each, in output order: q, k, v or gate, up), which QuantLinear stacks where it can.
+    qkv: LinearWeight  # ((heads + 2 * kv_heads) * head_dim, hidden)
     qkv_bias: torch.Tensor | None  # ((heads + 2 * kv_heads) * head_dim,)
-    o_proj: torch.Tensor  # (hidden, heads * head_dim)
+    o_proj: LinearWeight  # (hidden, heads * head_dim)
     post_norm: torch.Tensor  # (hidden,)
-    gate_up: torch.Tensor | None  # (2 * intermediate, hidden); None: a sparse (MoE) layer
-    down: torch.Tensor | None  # (hidden, intermediate)
+    gate_up: LinearWeight | None  # (2 * intermediate, hidden); None: a sparse (MoE) layer
+    down: LinearWeight | None  # (hidden, intermediate)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # WeightNames.extra's
     moe: MoEWeights | None = None  # a sparse layer's router and stacked experts
 
@@ -99,10 +106,12 @@ def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
 def load_weights(
     hf_dir: Path, spec: ModelArch, dtype: torch.dtype, device: torch.device,
     show_progress: bool = True, shard: TPShard | None = None,
-    names: WeightNames = WeightNames(),
+    names: WeightNames = WeightNames(), quant: QuantConfig | None = None,
 ) -> ModelWeights:
-    """The model's weights (`names`: the family's checkpoint names); with `shard`, only that tensor-parallel rank's slices
-    (model/tp_shard.py), the vocabulary shard padded to vocab_per_rank rows."""
+    """The model's weights (`names`: the family's checkpoint names); with `shard`, only that
+    tensor-parallel rank's slices (model/tp_shard.py), the vocabulary shard padded to
+    vocab_per_rank rows; with `quant`, the linear layers it covers as QWeights (on the CPU:
+    the model's linear method moves them)."""
     with ExitStack() as stack:
         ckpt = _Checkpoint(hf_dir, stack)
         bar = stack.enter_context(tqdm(total=len(ckpt.where), desc="Loading weights",
@@ -111,12 +120,58 @@ def load_weights(
         def take(name: str, rows: slice | None = None, cols: slice | None = None
                  ) -> torch.Tensor:
             bar.update(1)
-            return ckpt.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
+            t = ckpt.read(name, rows, cols)
+            if not t.is_floating_point() or t.element_size() == 1:  # never cast codes silently
+                raise ModelLoadError(
+                    f"{hf_dir}: weight {name!r} is stored quantized ({t.dtype}) but its "
+                    "format is not read here (config.json's quantization_config does not "
+                    "cover it)")
+            return t.to(device=device, dtype=dtype).contiguous()
 
-        return _load(spec, take, shard, ckpt.where.keys(), names)
+        def raw(name: str) -> torch.Tensor:
+            bar.update(1)
+            return ckpt.read(name)
+
+        def qtake(module: str, rows: slice | None = None, cols: slice | None = None
+                  ) -> QWeight | None:
+            scheme = None if quant is None else quant.scheme_for(module)
+            if scheme is None:
+                return None
+            return read_qweight(raw, ckpt.where.__contains__, module, scheme).rows(rows).cols(
+                cols)
+
+        return _load(spec, _Readers(take, qtake), shard, ckpt.where.keys(), names)
 
 
 Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor
+# (module, rows=None, cols=None) -> its QWeight, or None where it is stored unquantized
+QTake = Callable[..., QWeight | None]
+
+
+@dataclass(frozen=True)
+class _Readers:
+    take: Take
+    qtake: QTake
+
+    def __call__(self, name: str, rows: slice | None = None, cols: slice | None = None
+                 ) -> torch.Tensor:
+        return self.take(name, rows, cols)
+
+    def part(self, module: str, rows: slice | None = None, cols: slice | None = None
+             ) -> torch.Tensor | QWeight:
+        """One projection's weight: its QWeight where quantized, else the float tensor."""
+        q = self.qtake(module, rows, cols)
+        return self.take(module + ".weight", rows, cols) if q is None else q
+
+    def linear(self, parts: list[torch.Tensor | QWeight], what: str) -> LinearWeight:
+        """Projections of one input fused: float rows concatenated, or the QWeights."""
+        floats = [p for p in parts if isinstance(p, torch.Tensor)]
+        if len(floats) == len(parts):
+            return torch.cat(floats)
+        if floats:
+            raise ModelLoadError(f"{what}: some of its projections are quantized and some are "
+                                 "not; fused projections must share one scheme")
+        return [p for p in parts if isinstance(p, QWeight)]
 
 
 def _shift(rows: slice | None, offset: int, size: int) -> slice:
@@ -125,12 +180,12 @@ def _shift(rows: slice | None, offset: int, size: int) -> slice:
     return slice(offset + start, offset + stop)
 
 
-def _qkv(spec: ModelArch, take: Take, p: str, rows: dict[str, slice | None], names: WeightNames,
-         kind: str) -> torch.Tensor:
-    """The q, k, v rows (this rank's) of the weight or bias, as one tensor."""
+def _qkv_bias(spec: ModelArch, take: Take, p: str, rows: dict[str, slice | None],
+              names: WeightNames) -> torch.Tensor:
+    """The q, k, v rows (this rank's) of the bias, as one tensor."""
     if names.fused_qkv is None:
-        return torch.cat([take(p + f"self_attn.{n}_proj.{kind}", rows[n]) for n in "qkv"])
-    name = f"{p}{names.fused_qkv}.{kind}"
+        return torch.cat([take(p + f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"])
+    name = f"{p}{names.fused_qkv}.bias"
     if all(r is None for r in rows.values()):
         return take(name)
     q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -138,19 +193,34 @@ def _qkv(spec: ModelArch, take: Take, p: str, rows: dict[str, slice | None], nam
     return torch.cat([take(name, _shift(rows[n], *offsets[n])) for n in "qkv"])
 
 
-def _gate_up(spec: ModelArch, take: Take, p: str, mlp: slice | None, names: WeightNames
-             ) -> torch.Tensor:
+def _qkv(spec: ModelArch, read: _Readers, p: str, rows: dict[str, slice | None],
+         names: WeightNames) -> LinearWeight:
+    """The q, k, v rows (this rank's) of the weight, fused."""
+    if names.fused_qkv is None:
+        return read.linear([read.part(p + f"self_attn.{n}_proj", rows[n]) for n in "qkv"],
+                           p + "self_attn")
+    name = p + names.fused_qkv
+    if all(r is None for r in rows.values()):
+        return read.linear([read.part(name)], name)
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+    return read.linear([read.part(name, _shift(rows[n], *offsets[n])) for n in "qkv"], name)
+
+
+def _gate_up(spec: ModelArch, read: _Readers, p: str, mlp: slice | None, names: WeightNames
+             ) -> LinearWeight:
     if names.fused_gate_up is None:
-        return torch.cat([take(p + "mlp.gate_proj.weight", mlp),
-                          take(p + "mlp.up_proj.weight", mlp)])
-    name = f"{p}{names.fused_gate_up}.weight"
+        return read.linear([read.part(p + "mlp.gate_proj", mlp),
+                            read.part(p + "mlp.up_proj", mlp)], p + "mlp")
+    name = p + names.fused_gate_up
     if mlp is None:
-        return take(name)
+        return read.linear([read.part(name)], name)
     inter = spec.intermediate_size
-    return torch.cat([take(name, _shift(mlp, 0, inter)), take(name, _shift(mlp, inter, inter))])
+    return read.linear([read.part(name, _shift(mlp, 0, inter)),
+                        read.part(name, _shift(mlp, inter, inter))], name)
 
 
-def _load(spec: ModelArch, take: Take, shard: TPShard | None, stored: Collection[str],
+def _load(spec: ModelArch, take: _Readers, shard: TPShard | None, stored: Collection[str],
           names: WeightNames) -> ModelWeights:
     q = kv = mlp = vocab = None
     if shard is not None:
@@ -169,17 +239,18 @@ def _load(spec: ModelArch, take: Take, shard: TPShard | None, stored: Collection
         if moe is not None and part is not None and moe.is_sparse(i):
             experts = load_moe_weights(take, stored, p, moe, part)
         sparse = experts is not None
-        qkv = _qkv(spec, take, p, rows, names, "weight")
-        bias = _qkv(spec, take, p, rows, names, "bias") if spec.qkv_bias else None
+        qkv = _qkv(spec, take, p, rows, names)
+        bias = _qkv_bias(spec, take, p, rows, names) if spec.qkv_bias else None
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv,
                 qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight", None, q),
+                o_proj=take.linear([take.part(p + "self_attn.o_proj", None, q)], "o_proj"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=None if sparse else _gate_up(spec, take, p, mlp, names),
-                down=None if sparse else take(p + "mlp.down_proj.weight", None, mlp),
+                down=None if sparse else take.linear(
+                    [take.part(p + "mlp.down_proj", None, mlp)], "down_proj"),
                 extra={n: take(f"{p}{n}.weight") for n in names.extra},
                 moe=experts,
             )

@@ -91,7 +91,7 @@ def test_bad_quantization_is_a_clear_error(tiny_llama: Path) -> None:
         LLM(model=str(tiny_llama), quantization="fp4")
     args = build_parser().parse_args(["serve", "--quantization", "int8"])
     assert build_config(args, {}).engine.quantization == "int8"
-    args = build_parser().parse_args(["serve", "--quantization", "awq"])
+    args = build_parser().parse_args(["serve", "--quantization", "marlin"])
     with pytest.raises(ConfigError, match="quantization"):
         build_config(args, {})
     assert EngineConfig().quantization is None

@@ -28,6 +28,7 @@ from radixserve.model.layers.linear import LinearLayer, LinearMethod, RowParalle
 from radixserve.model.layers.mlp import GatedMLP
 from radixserve.model.layers.norm import Residual, RMSNorm
 from radixserve.model.norm_rope import NormRope, load_norm_rope
+from radixserve.model.quantization.qweight import out_features
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import LayerWeights, ModelWeights
 
@@ -95,7 +96,7 @@ class ModelParts:
         packed = None if self.fused or act != "silu" else self.method.packed_halves(lw.gate_up)
         if packed is not None:
             return GatedMLP(None, down, act, packed)
-        inter = lw.gate_up.shape[0] // 2
+        inter = out_features(lw.gate_up) // 2
         gate_up = LinearLayer(self.method.create(lw.gate_up, None, prepacked=not self.fused),
                               "gate_up_proj", i, (inter, inter))
         return GatedMLP(gate_up, down, act)

@@ -26,6 +26,7 @@ from radixserve.model.families.phi3 import PHI3
 from radixserve.model.families.qwen3 import QWEN3
 from radixserve.model.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from radixserve.model.layers.linear import linear_method
+from radixserve.model.quantization.config import QuantConfig
 from radixserve.model.weights import ModelWeights
 from radixserve.model_source import ModelLoadError
 
@@ -77,15 +78,19 @@ def _fused(backend: AttentionBackend, fused: bool | None) -> bool:
 def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBackend,
                 max_positions: int, quantization: str | None = None,
                 quantize_lm_head: bool = True, fused: bool | None = None,
-                tp: TPComm | None = None, shard: TPShard | None = None) -> CausalLM:
+                tp: TPComm | None = None, shard: TPShard | None = None,
+                checkpoint_quant: QuantConfig | None = None) -> CausalLM:
     """The model of `spec`'s family. With `tp`: `spec` is the rank's own
     (shard.local_arch()), the weights its slices. `fused`: None: the Triton fused kernels
-    where the backend supports them; False: the unfused order with any backend."""
+    where the backend supports them; False: the unfused order with any backend.
+    `checkpoint_quant`: the checkpoint's own quantization (its weights arrive as QWeights);
+    only int8 quantizes the LM head (FP8 keeps it in the model's dtype, as vLLM does)."""
     family = family_of(spec.architecture)
     device, dtype = weights.embed.device, weights.embed.dtype
     is_fused = _fused(backend, fused)
-    parts = model_parts(spec, linear_method(quantization, device), max_positions, dtype,
-                        device, is_fused, tp)
+    method = linear_method(quantization, device, checkpoint_quant)
+    parts = model_parts(spec, method, max_positions, dtype, device, is_fused, tp)
+    quantize_lm_head = quantize_lm_head and method.name == "int8"
     layers = family.layers(parts, weights)
     # NOTE: the loaded ModelWeights is not kept: its layer weights live on only in their
     # (possibly prepacked) kernels, so the model holds one copy of each.

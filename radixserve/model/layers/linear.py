@@ -1,8 +1,8 @@
 """Linear layers: the per-layer linear method (how a weight is stored and multiplied), the
 LoRA hook on a layer's output, and the tensor-parallel row-parallel output into the residual.
 
-Owns: `LinearMethod` (chosen once at load time: plain/prepacked float weights, int8 weights;
-quantized checkpoints plug in here, docs/model-families.md), `LinearLayer` (a kernel from the
+Owns: `LinearMethod` (chosen once at load time: plain/prepacked float weights, int8 weights,
+`--quantization fp8` and pre-quantized checkpoints: model/quantization/methods.py), `LinearLayer` (a kernel from the
 method, the layer's name and its fused output slices for a LoRA hook) and
 `RowParallelLinear` (o_proj, down: the all-reduce of the ranks' partial sums and the residual
 add as the GEMM's epilogue where the kernel has one). Does not know: families, configs,
@@ -20,11 +20,15 @@ from radixserve.model.cpu_linear import Linear, prepack
 from radixserve.model.int8_kernel import Int8Gemm, load_int8_gemm
 from radixserve.model.layers.norm import Residual
 from radixserve.model.quant import Int8Linear
+from radixserve.model.quantization.config import QuantConfig
+from radixserve.model.quantization.cpu_kernel import load_quant_gemm
+from radixserve.model.quantization.methods import CheckpointMethod, Fp8Method
+from radixserve.model.quantization.qweight import LinearWeight
 
 if TYPE_CHECKING:
     from radixserve.parallel.comm import TPComm
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8")  # load-time quantization of a float checkpoint
 
 
 class LinearKernel(Protocol):
@@ -43,12 +47,13 @@ class LinearMethod(Protocol):
     @property
     def name(self) -> str: ...  # "float", "int8", ...
 
-    def create(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+    def create(self, weight: LinearWeight, bias: torch.Tensor | None, *,
                prepacked: bool = True) -> LinearKernel:
-        """The kernel for this (rank's) weight (out, in) and bias (out,)."""
+        """The kernel for this (rank's) weight (out, in) (a float tensor, or a quantized
+        checkpoint's QWeights) and bias (out,)."""
         ...
 
-    def packed_halves(self, gate_up: torch.Tensor
+    def packed_halves(self, gate_up: LinearWeight
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """gate and up in oneDNN's prepacked layout for the epilogue-fused SwiGLU (None:
         this method has no such form; the MLP runs one gate_up GEMM)."""
@@ -61,12 +66,14 @@ class FloatMethod:
 
     name: str = "float"
 
-    def create(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+    def create(self, weight: LinearWeight, bias: torch.Tensor | None, *,
                prepacked: bool = True) -> LinearKernel:
+        assert isinstance(weight, torch.Tensor), "quantized weights need their method"
         return Linear(weight, bias, prepacked)
 
-    def packed_halves(self, gate_up: torch.Tensor
+    def packed_halves(self, gate_up: LinearWeight
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        assert isinstance(gate_up, torch.Tensor)
         inter = gate_up.shape[0] // 2
         gate, up = prepack(gate_up[:inter]), prepack(gate_up[inter:])
         return None if gate is None or up is None else (gate, up)
@@ -79,17 +86,27 @@ class Int8Method:
     gemm: Int8Gemm | None | Literal["load"] = None
     name: str = "int8"
 
-    def create(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+    def create(self, weight: LinearWeight, bias: torch.Tensor | None, *,
                prepacked: bool = True) -> LinearKernel:
+        assert isinstance(weight, torch.Tensor), "int8 quantizes float weights"
         return Int8Linear(weight, bias, self.gemm)
 
-    def packed_halves(self, gate_up: torch.Tensor
+    def packed_halves(self, gate_up: LinearWeight
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
 
-def linear_method(quantization: str | None, device: torch.device) -> LinearMethod:
-    """The method for --quantization (validated at the edge: EngineConfig)."""
+def linear_method(quantization: str | None, device: torch.device,
+                  checkpoint: QuantConfig | None = None) -> LinearMethod:
+    """The method for --quantization (validated at the edge: EngineConfig, and against the
+    checkpoint by quantization/config.py's resolve_quantization) or for the checkpoint's own
+    quantization_config (`checkpoint`)."""
+    # One load (or one failed build) of the native kernel for every layer, not one each.
+    qgemm = load_quant_gemm if device.type == "cpu" else (lambda: None)
+    if quantization == "fp8":
+        return Fp8Method(qgemm())
+    if checkpoint is not None:
+        return CheckpointMethod(checkpoint.method, device, qgemm())
     if quantization is None:
         return FloatMethod()
     if quantization == "int8":

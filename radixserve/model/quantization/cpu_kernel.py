@@ -1,0 +1,81 @@
+"""The native CPU GEMM on quantized weights: packed layout, build, load, reference.
+
+Owns: the packed layout csrc/quant_gemm.cpp reads (`pack_for_cpu`), compiling it with the
+project's builder (attention/cpu_kernels.py build_extension), the op
+`torch.ops.radixserve.quant_gemm`, and `quant_gemm_reference` (dequantize, then matmul in
+float64: the kernel's specification). Does not know: layers, checkpoint formats (QWeight).
+
+Layout: blocks of 16 output channels (N padded with zero codes, zero scales): int4 codes
+(NB, K, 8) uint8, byte j holding channel j in its low nibble and channel j + 8 in its high
+one; int8 / fp8 codes (NB, K, 16) uint8; scale and zero (NB, G, 16) float32. A weight with
+`perm` (GPTQ act-order) is multiplied by x[:, perm] (the caller permutes the activations).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
+from radixserve.model.quantization.qweight import Kind, QWeight
+
+SOURCE = Path(__file__).parent.parent / "csrc" / "quant_gemm.cpp"
+EXT_BASE = "radixserve_quant_gemm_v4"  # bump with the source: a fresh build, not a stale one
+BLOCK = 16  # output channels per packed block
+
+# (x (M, K), packed, scale, zero, kind, N, group_size) -> y (M, N)
+QuantGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int],
+                     torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    kind: Kind
+    n: int
+    k: int
+    group_size: int
+    codes: torch.Tensor  # (NB, K, 8) or (NB, K, 16) uint8
+    scale: torch.Tensor  # (NB, G, 16) float32
+    zero: torch.Tensor  # (NB, G, 16) float32; empty for FP8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def load_quant_gemm() -> QuantGemm | None:
+    """torch.ops.radixserve.quant_gemm, built on first use; None where unavailable."""
+    if os.environ.get(ENV_DISABLE) == "1":
+        return None
+    built = hasattr(torch.ops.radixserve, "quant_gemm") or build_extension(
+        EXT_BASE, (SOURCE,), "CPU quantized GEMM kernel")
+    if not built:
+        return None
+    op: QuantGemm = torch.ops.radixserve.quant_gemm
+    return op
+
+
+def _blocks(t: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """(N, X) -> (NB, X, 16), zero padded to n_pad rows."""
+    padded = torch.zeros(n_pad, t.shape[1], dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.view(n_pad // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
+
+
+def pack_for_cpu(w: QWeight) -> PackedWeight:
+    n, k = w.shape
+    n_pad = -(-n // BLOCK) * BLOCK
+    codes = _blocks(w.codes.cpu(), n_pad)  # (NB, K, 16)
+    if w.kind is Kind.INT4:
+        codes = (codes[:, :, :8] | (codes[:, :, 8:] << 4)).contiguous()  # (NB, K, 8)
+    zero = torch.empty(0) if w.zero is None else _blocks(w.zero.cpu(), n_pad)
+    return PackedWeight(w.kind, n, k, w.group_size, codes, _blocks(w.scale.cpu(), n_pad), zero)
+
+
+def quant_gemm_reference(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x (M, K) @ dequantize(w).T in float64; (M, N) in x's dtype."""
+    return (x.double() @ w.dequantize().double().t()).to(x.dtype)
