@@ -64,7 +64,11 @@ NORM_ROPE = NativeExtension(
     ("rms_norm", "rope_qk"), cflags=("-O3", "-fopenmp", "-ffp-contract=off"),
     header_dirs=(_ATTN,))  # bf16_access.h
 
-EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE)
+QUANT_GEMM = NativeExtension(
+    "radixserve_quant_gemm", (_MODEL / "quant_gemm.cpp",), "CPU quantized GEMM kernel",
+    ("quant_gemm", "quant_dequantize"))
+
+EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM)
 
 
 @dataclass(frozen=True)

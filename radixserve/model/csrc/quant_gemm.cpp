@@ -297,15 +297,18 @@ at::Tensor quant_dequantize(const at::Tensor& packed, const at::Tensor& scale,
 
 }  // namespace
 
-// A fragment: the namespace's TORCH_LIBRARY is paged_decode.cpp's (a namespace has one).
-TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+// A fragment in the tier's namespace (platform/kernels.py defines RADIXSERVE_OPS_NS per build).
+#ifndef RADIXSERVE_OPS_NS
+#define RADIXSERVE_OPS_NS radixserve
+#endif
+TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
   m.def("quant_gemm(Tensor x, Tensor packed, Tensor scale, Tensor zero, int kind, int n, "
         "int group) -> Tensor");
   m.def("quant_dequantize(Tensor packed, Tensor scale, Tensor zero, int kind, int n, int k, "
         "int group, int n0, int n1, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) {
   m.impl("quant_gemm", &quant_gemm);
   m.impl("quant_dequantize", &quant_dequantize);
 }

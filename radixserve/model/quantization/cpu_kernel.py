@@ -1,8 +1,7 @@
 """The native CPU GEMM on quantized weights: packed layout, build, load, reference.
 
-Owns: the packed layout csrc/quant_gemm.cpp reads (`pack_for_cpu`), compiling it with the
-project's builder (attention/cpu_kernels.py build_extension), the op
-`torch.ops.radixserve.quant_gemm`, and `quant_gemm_reference` (dequantize, then matmul in
+Owns: the packed layout csrc/quant_gemm.cpp reads (`pack_for_cpu`), building it per CPU tier
+(platform/kernels.py's QUANT_GEMM), the ops `quant_gemm` and `quant_dequantize`, and `quant_gemm_reference` (dequantize, then matmul in
 float64: the kernel's specification). Does not know: layers, checkpoint formats (QWeight).
 
 Layout: blocks of 16 output channels (N padded with zero codes, zero scales): int4 codes
@@ -13,18 +12,14 @@ one; int8 / fp8 codes (NB, K, 16) uint8; scale and zero (NB, G, 16) float32. A w
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from radixserve.attention.cpu_kernels import ENV_DISABLE, build_extension
 from radixserve.model.quantization.qweight import Kind, QWeight
+from radixserve.platform.kernels import QUANT_GEMM, load_extension
 
-SOURCE = Path(__file__).parent.parent / "csrc" / "quant_gemm.cpp"
-EXT_BASE = "radixserve_quant_gemm_v4"  # bump with the source: a fresh build, not a stale one
 BLOCK = 16  # output channels per packed block
 
 # (x (M, K), packed, scale, zero, kind, N, group_size) -> y (M, N)
@@ -48,15 +43,19 @@ class PackedWeight:
 
 
 def load_quant_gemm() -> QuantGemm | None:
-    """torch.ops.radixserve.quant_gemm, built on first use; None where unavailable."""
-    if os.environ.get(ENV_DISABLE) == "1":
+    """quant_gemm at the process's CPU tier, built on first use; None where unavailable."""
+    loaded = load_extension(QUANT_GEMM)
+    if loaded is None:
         return None
-    built = hasattr(torch.ops.radixserve, "quant_gemm") or build_extension(
-        EXT_BASE, (SOURCE,), "CPU quantized GEMM kernel")
-    if not built:
-        return None
-    op: QuantGemm = torch.ops.radixserve.quant_gemm
+    op: QuantGemm = loaded.op("quant_gemm")
     return op
+
+
+def load_quant_dequantize() -> Callable[..., torch.Tensor] | None:
+    """quant_dequantize (output channels of a packed weight, dequantized) at the process's
+    CPU tier; None where unavailable."""
+    loaded = load_extension(QUANT_GEMM)
+    return None if loaded is None else loaded.op("quant_dequantize")
 
 
 def _blocks(t: torch.Tensor, n_pad: int) -> torch.Tensor:

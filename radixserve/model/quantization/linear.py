@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from radixserve.model.quantization.cpu_kernel import (
     PackedWeight,
     QuantGemm,
+    load_quant_dequantize,
     load_quant_gemm,
     pack_for_cpu,
 )
@@ -105,7 +106,9 @@ class _Part:
 def _dequantize_rows(p: PackedWeight, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
     """Output channels [n0, n1) dequantized by the native op: W[n0:n1].T, (K, n1 - n0) in
     `dtype`."""
-    w: torch.Tensor = torch.ops.radixserve.quant_dequantize(
+    op = load_quant_dequantize()
+    assert op is not None, "packed weights exist only where the native build loaded"
+    w: torch.Tensor = op(
         p.codes, p.scale, p.zero, int(p.kind), p.n, p.k, p.group_size, n0, n1, dtype)
     return w
 
