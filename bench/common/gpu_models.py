@@ -108,9 +108,9 @@ def hf_config(shape: LlamaShape, max_positions: int) -> Any:
     }
     if not shape.experts:
         return LlamaConfig(**common)
+    common["head_dim"] = shape.head_dim  # a config attribute Qwen3MoeConfig's stub lacks
     return Qwen3MoeConfig(**common, num_experts=shape.experts, num_experts_per_tok=shape.top_k,
-                          moe_intermediate_size=shape.expert_intermediate,
-                          head_dim=shape.head_dim, norm_topk_prob=True)
+                          moe_intermediate_size=shape.expert_intermediate, norm_topk_prob=True)
 
 
 def hf_model(config: Any) -> Any:

@@ -14,16 +14,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
+from radixserve.attention.torch_backend import TorchAttentionBackend
+from radixserve.engine.kv_calibration import calibrate
+from radixserve.model.families.registry import load_model, read_model_spec
 from radixserve.model_source import ModelLoadError
 from tests.engine.test_engine_cache import run_checked, shared_prefix_prompts
 from tests.model.test_fused_forward import (
+    CPU,
     DEVICE,
     assert_paths_agree,
+    greedy,
     runnable_kernels,  # noqa: F401  (a fixture)
 )
-from tests.model.test_parity import check_parity
+from tests.model.test_parity import check_parity, random_prompts
 from tests.tiny_moe_models import FAMILIES, Layout, make_tiny_moe
 
 SPARSE: dict[str, dict[str, Any]] = {"qwen3_moe": {"mlp_only_layers": [1]},
@@ -83,3 +89,25 @@ def test_fused_forward_with_the_triton_moe(family: str, tmp_path: Path) -> None:
     if DEVICE.type != "cpu":
         pytest.skip("the interpreter run")
     assert_paths_agree(tiny(tmp_path, family), 5, None)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_fp8_kv_stays_close_to_fp32(family: str, tmp_path: Path) -> None:
+    """An fp8 KV pool (scales calibrated through the MoE model's own forward) changes the
+    logits by quantization error only (the model table's fp8 KV column)."""
+    path = tiny(tmp_path, family)
+    spec = read_model_spec(path)
+    prompts = random_prompts([5, 11, 1], 250, seed=2)
+
+    def run(fp8: bool) -> torch.Tensor:
+        model = load_model(path, spec, TorchAttentionBackend(), 64, torch.float32, CPU)
+        kv = None
+        if fp8:
+            fmt = torch.float8_e4m3fn
+            kv = (fmt, calibrate(model, prompts[1], fmt, spec.num_kv_heads, spec.head_dim,
+                                 torch.float32, CPU))
+        return torch.cat(greedy(model, prompts, 2, kv)[1])  # (prefill + decode rows, vocab)
+
+    want = run(False)
+    rel = ((run(True) - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.05, rel

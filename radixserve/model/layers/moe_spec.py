@@ -115,16 +115,15 @@ def read_moe_spec(architecture: str, cfg: Mapping[str, Any]) -> MoESpec:
         raise ModelLoadError(f"{architecture} is not a mixture-of-experts architecture")
     experts, top_k, width, shared = _HF_DEFAULTS[architecture]
     try:
-        num_experts = _num_experts(cfg, experts)
-        top_k = int(cfg.get("num_experts_per_tok") or top_k)
+        num, k = _num_experts(cfg, experts), int(cfg.get("num_experts_per_tok") or top_k)
         if width is None:  # Mixtral, OLMoE: the experts are intermediate_size wide
-            return MoESpec(num_experts, top_k, expert_size=int(cfg["intermediate_size"]),
+            return MoESpec(num, k, expert_size=int(cfg["intermediate_size"]),
                            renormalize=architecture == "MixtralForCausalLM"
                            or bool(cfg.get("norm_topk_prob", False)))
         if architecture == "Qwen2MoeForCausalLM":
             shared = int(cfg.get("shared_expert_intermediate_size", shared))
         return MoESpec(
-            num_experts, top_k,
+            num, k,
             expert_size=int(cfg.get("moe_intermediate_size") or width),
             renormalize=bool(cfg.get("norm_topk_prob", False)),
             shared_expert_size=shared,
