@@ -32,13 +32,14 @@ from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
+from radixserve.model.lora_delta import LoRABatch
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
-from radixserve.sched.req import Batch
+from radixserve.sched.req import Batch, Req
 from radixserve.types import Phase
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,9 @@ class ModelRunner:
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
         self.model = LlamaModel(model_spec, weights, rotary, backend, cfg.quantization,
-                                tp=self.tp, shard=shard)
+                                tp=self.tp, shard=shard,
+                                # LoRA steps run llama.py's loop (deltas between the GEMMs)
+                                fused=False if cfg.lora is not None else None)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
@@ -257,6 +260,7 @@ class ModelRunner:
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             table_back=table_back,
+            lora=_lora_batch(reqs, extend_lens),
         )
 
     def _prepare_decode(self, batch: Batch) -> StepInputs:
@@ -289,13 +293,15 @@ class ModelRunner:
         table_back = back_writes(back, dev)
         write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
-                          fixed.arange, table_back)
+                          fixed.arange, table_back, _lora_batch(reqs, fixed.ones_cpu))
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
-        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        # Steps with adapter rows run eagerly (the graphs hold the base model's forward).
+        key = (self.graphs.key_for(batch) if self.graphs is not None and inputs.lora is None
+               else None)
         if self.tp_lead is not None:
             logits = self.tp_lead.forward(inputs, self.forward_eager)
         elif self.graphs is not None and key is not None:
@@ -314,7 +320,7 @@ class ModelRunner:
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
         """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.pool.k,
-                                  self.pool.v, inputs.logit_rows, self.kv_scales)
+                                  self.pool.v, inputs.logit_rows, self.kv_scales, inputs.lora)
 
     def tp_stats(self) -> dict[str, Any]:
         """Tensor parallelism's figures (empty without it); raises TPFailedError once a rank
@@ -326,3 +332,11 @@ class ModelRunner:
         if self.tp_lead is not None:
             self.tp_lead.close()
             self.tp_lead = None
+
+
+def _lora_batch(reqs: list[Req], num_tokens: tuple[int, ...] | list[int]) -> LoRABatch | None:
+    """The step's adapter segments: each request's rows under its adapter (None: base)."""
+    if all(r.lora is None for r in reqs):
+        return None
+    return LoRABatch.from_runs([(None if r.lora is None else r.lora.layers, n)
+                                for r, n in zip(reqs, num_tokens, strict=True)])

@@ -30,6 +30,7 @@ from radixserve.attention.kv_quant import KVScale
 from radixserve.model.arch import ModelArch
 from radixserve.model.cpu_linear import GatedMLP, Linear, make_linear
 from radixserve.model.int8_kernel import load_int8_gemm
+from radixserve.model.lora_delta import LoRABatch
 from radixserve.model.norm_rope import load_norm_rope
 from radixserve.model.quant import Int8Linear
 from radixserve.model.rope import RotaryTable
@@ -122,7 +123,11 @@ class LlamaModel:
         v_cache: torch.Tensor,  # (layers, num_slots, kv_heads, head_dim)
         logit_rows: torch.Tensor,  # (N,) which token rows need logits
         kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
+        lora: LoRABatch | None = None,  # the step's adapter segments (None: base model only)
     ) -> torch.Tensor:  # (N, vocab) float32
+        if lora is not None:
+            return self._forward_lora(input_ids, positions, meta, k_cache, v_cache, logit_rows,
+                                      kv_scales, lora)
         if self.fused is not None:  # an 8-bit pool too: the fused store quantizes
             return self.fused(self, self.backend, input_ids, positions, meta, k_cache, v_cache,
                               logit_rows, kv_scales)
@@ -150,6 +155,36 @@ class LlamaModel:
             h = self.tp.all_reduce(layer.mlp(x, h if self.adds_residual else None))
         if logit_rows.shape[0] != h.shape[0]:
             h = h.index_select(0, logit_rows)  # (N, hidden): only the rows that sample
+        return self.logits(self.lm_head(norm(h, self.final_norm, eps)).float())  # (N, vocab)
+
+    def _forward_lora(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      logit_rows: torch.Tensor, kv_scales: Sequence[KVScale] | None,
+                      lora: LoRABatch) -> torch.Tensor:  # (N, vocab) float32
+        """forward's own loop with each linear layer's LoRA deltas added to its output (the
+        step's adapter segments; base rows get none). Single rank, unfused (EngineConfig)."""
+        assert self.tp is None, "LoRA with tensor parallelism is refused at the edge"
+        spec, norm, rope = self.spec, self.ops.rms_norm, self.ops.rope_qk
+        eps = spec.rms_norm_eps
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary.lookup(positions)  # (T, head_dim) each
+        qk_size = self.q_size + self.kv_size
+        for i, layer in enumerate(self.layers):
+            x = norm(h, layer.input_norm, eps)  # (T, hidden)
+            qkv = layer.qkv(x)  # (T, q_size + 2 * kv_size)
+            lora.add_delta(i, "qkv", x, qkv)
+            qk = rope(qkv, cos, sin, spec.num_heads + spec.num_kv_heads)
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            v = qkv[:, qk_size:].view(-1, spec.num_kv_heads, spec.head_dim)
+            attn = self.backend.forward(q, k, v, k_cache[i], v_cache[i], meta, self.scale,
+                                        None if kv_scales is None else kv_scales[i])
+            attn = attn.reshape(-1, self.q_size)  # (T, heads * head_dim)
+            h = layer.o_proj.add_to(h, attn)  # (T, hidden)
+            lora.add_delta(i, "o", attn, h)
+            h = layer.mlp.with_deltas(norm(h, layer.post_norm, eps), h,
+                                      lambda t, xi, yi, i=i: lora.add_delta(i, t, xi, yi))
+        if logit_rows.shape[0] != h.shape[0]:
+            h = h.index_select(0, logit_rows)  # (N, hidden)
         return self.logits(self.lm_head(norm(h, self.final_norm, eps)).float())  # (N, vocab)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
