@@ -149,3 +149,17 @@ def rope_qk_store_ref(
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * inter) -> (T, inter)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def lora_ref(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor,
+             token_slot: torch.Tensor) -> torch.Tensor:
+    """y + (x @ A[slot].T) @ B[slot].T per token (slot -1: y unchanged), in fp32, rounded to
+    y's dtype once: what lora_shrink followed by lora_expand compute. x: (T, K),
+    a_stack: (S, R, K), b_stack: (S, N, R), y: (T, N), token_slot: (T,)."""
+    out = y.clone()
+    for tok, slot in enumerate(token_slot.tolist()):
+        if slot < 0:
+            continue
+        t = x[tok].float() @ a_stack[slot].float().T  # (R,)
+        out[tok] = (y[tok].float() + b_stack[slot].float() @ t).to(y.dtype)  # (N,)
+    return out
