@@ -19,8 +19,8 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
-from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.lora_calls import LoRACalls
+from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.pin_calls import PinCalls
 from radixserve.engine.tiers_setup import build_tiers, pool_medium
 from radixserve.grammar.backend import GrammarBackend

@@ -25,6 +25,7 @@ from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.decode_groups import DecodeFixed, shared_prefixes
+from radixserve.engine.lora_step import lora_batch, lora_slots
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
 from radixserve.engine.tp_lead import TPLead, start_tp
@@ -32,14 +33,13 @@ from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch, read_model_spec
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.llama import LlamaModel
-from radixserve.model.lora_delta import LoRABatch
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
-from radixserve.sched.req import Batch, Req
+from radixserve.sched.req import Batch
 from radixserve.types import Phase
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,8 @@ class ModelRunner:
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
                     f", {cfg.quantization}" if cfg.quantization else "")
+        # CUDA: the adapters of a step in device stacks for the Triton kernels (CPU: GEMMs).
+        self.lora_slots = lora_slots(cfg, self.spec, self.dtype, self.device)
         self.kv_cache_dtype = cfg.kv_cache_dtype
         kv_dtype = storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.pool = KVPool(self._pool_size(cfg, kv_dtype, model_spec.num_kv_heads),
@@ -260,7 +262,7 @@ class ModelRunner:
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             table_back=table_back,
-            lora=_lora_batch(reqs, extend_lens),
+            lora=lora_batch(reqs, extend_lens, len(ids), False, self.lora_slots),
         )
 
     def _prepare_decode(self, batch: Batch) -> StepInputs:
@@ -293,7 +295,8 @@ class ModelRunner:
         table_back = back_writes(back, dev)
         write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
-                          fixed.arange, table_back, _lora_batch(reqs, fixed.ones_cpu))
+                          fixed.arange, table_back,
+                          lora_batch(reqs, fixed.ones_cpu, len(ids), True, self.lora_slots))
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
@@ -333,10 +336,3 @@ class ModelRunner:
             self.tp_lead.close()
             self.tp_lead = None
 
-
-def _lora_batch(reqs: list[Req], num_tokens: tuple[int, ...] | list[int]) -> LoRABatch | None:
-    """The step's adapter segments: each request's rows under its adapter (None: base)."""
-    if all(r.lora is None for r in reqs):
-        return None
-    return LoRABatch.from_runs([(None if r.lora is None else r.lora.layers, n)
-                                for r, n in zip(reqs, num_tokens, strict=True)])

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.model.lora_slots import LoRASlots
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,42 @@ class LoRASegment:
 
 
 @dataclass(frozen=True)
+class KernelSegments:
+    """The segments as the Triton kernels read them (CUDA, or CPU under the interpreter)."""
+
+    slots: LoRASlots  # the device stacks the segments' slots index
+    seg_start: torch.Tensor  # (G,) int32
+    seg_len: torch.Tensor  # (G,) int32
+    seg_slot: torch.Tensor  # (G,) int32, -1: the base model
+    token_slot: torch.Tensor | None  # (T,) int32: one token per request (decode: BGMV)
+    max_seg_len: int
+
+
+@dataclass(frozen=True)
 class LoRABatch:
     """The adapter segments of one forward's token rows (base-model rows are in none)."""
 
     segments: tuple[LoRASegment, ...]
+    kernels: KernelSegments | None = None  # set: the deltas run as Triton kernels
+
+    def on_slots(self, slots: LoRASlots, num_tokens: int, decode: bool) -> LoRABatch:
+        """This batch for the kernels: its adapters placed in `slots`, segments as tensors."""
+        slot_of = dict(zip((id(s.layers) for s in self.segments),
+                           slots.slots_for(list({id(s.layers): s.layers
+                                                 for s in self.segments}.values())), strict=True))
+        dev = slots.device
+        starts = [s.start for s in self.segments]
+        lens = [s.end - s.start for s in self.segments]
+        seg_slots = [slot_of[id(s.layers)] for s in self.segments]
+        token_slot = None
+        if decode:
+            per_token = [-1] * num_tokens
+            for s, slot in zip(self.segments, seg_slots, strict=True):
+                per_token[s.start : s.end] = [slot] * (s.end - s.start)
+            token_slot = torch.tensor(per_token, dtype=torch.int32, device=dev)
+        k = KernelSegments(slots, *(torch.tensor(v, dtype=torch.int32, device=dev)
+                                    for v in (starts, lens, seg_slots)), token_slot, max(lens))
+        return LoRABatch(self.segments, k)
 
     @staticmethod
     def from_runs(runs: Sequence[tuple[AdapterLayers | None, int]]) -> LoRABatch | None:
@@ -61,6 +97,9 @@ class LoRABatch:
     def add_delta(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each segment's delta of `target` in `layer`, in place.
         x: (T, in) the target's input; y: (T, out) its output (plus anything already added)."""
+        if self.kernels is not None:
+            self._add_delta_kernels(self.kernels, layer, target, x, y)
+            return
         for seg in self.segments:
             w = seg.layers[layer].get(target)
             if w is None:
@@ -68,3 +107,18 @@ class LoRABatch:
             xs = x[seg.start : seg.end]  # (n, in)
             shrunk = torch.mm(xs, w.a.t())  # (n, R)
             y[seg.start : seg.end].addmm_(shrunk, w.b.t())  # (n, out) += (n, R) @ (R, out)
+
+    @staticmethod
+    def _add_delta_kernels(k: KernelSegments, layer: int, target: str, x: torch.Tensor,
+                           y: torch.Tensor) -> None:
+        # Imported here: triton is needed only where the kernels run.
+        from triton_kernels.lora_expand import lora_expand, lora_expand_tokens
+        from triton_kernels.lora_shrink import lora_shrink, lora_shrink_tokens
+
+        a, b = k.slots.a[layer][target], k.slots.b[layer][target]  # (S, R, in), (S, out, R)
+        t = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # (T, R)
+        if k.token_slot is not None:
+            lora_expand_tokens(lora_shrink_tokens(x, a, t, k.token_slot), b, y, k.token_slot)
+            return
+        seg = (k.seg_start, k.seg_len, k.seg_slot)
+        lora_expand(lora_shrink(x, a, t, *seg, k.max_seg_len), b, y, *seg, k.max_seg_len)

@@ -6,12 +6,11 @@ time behind the admin key, and adapters never share cached prefixes."""
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import urllib.error
-import urllib.request
 
 import orjson
 import pytest

@@ -17,7 +17,7 @@ from radixserve.config.lora_config import check_lora_name
 from radixserve.config.parsing import ConfigError
 from radixserve.ipc.messages import LoadLoRAMsg, UnloadLoRAMsg
 from radixserve.server.app_state import STATE_KEY, ServerState, read_json, request_caller
-from radixserve.server.error_responses import APIError, json_response
+from radixserve.server.error_responses import APIError
 
 LOAD_FIELDS = frozenset({"lora_name", "lora_path", "load_inplace"})
 UNLOAD_FIELDS = frozenset({"lora_name", "lora_int_id"})
