@@ -32,8 +32,8 @@ class LoRACalls:
                     msg.call_id, error=f"The lora adapter '{msg.lora_name}' cannot be found.",
                     status=404))
             return
+        m.unregister(msg.lora_name)  # a reload (load_inplace) reads the folder again
         m.register(msg.lora_name, msg.lora_path)
-        m.forget_failure(msg.lora_name)  # a retry after fixing the folder reads it again
         m.start(msg.lora_name)
         self._pending.append(msg)
         self.poll()

@@ -15,6 +15,8 @@ files agree on the key (the router and the shared tier depend on that).
 
 from __future__ import annotations
 
+import zlib
+
 SEP = "\x00"
 
 
@@ -33,7 +35,27 @@ def lora_namespace(salt: str, lora_name: str | None, digest: str | None) -> str:
     return f"{salt}{SEP}lora:{lora_name}{SEP}{digest}"
 
 
-def namespace_lora_name(namespace: str) -> str | None:
-    """The adapter of a namespace (None: the base model); for KV events' `lora_name`."""
+def split_namespace(namespace: str) -> tuple[str, str | None]:
+    """(tenant salt, adapter name or None) of a radix namespace."""
     parts = namespace.split(SEP)
-    return parts[1].removeprefix("lora:") if len(parts) == 3 else None
+    if len(parts) == 3 and parts[1].startswith("lora:"):
+        return parts[0], parts[1].removeprefix("lora:")
+    return namespace, None
+
+
+def routing_namespace(salt: str, lora_name: str | None) -> str:
+    """What the KV events' hash chain and the router key a prefix by: the salt and the
+    adapter's name, without the weights' digest (the router knows a request's `model`, not
+    the digest; the radix tree and the tiers keep the digest)."""
+    return salt if lora_name is None else f"{salt}{SEP}lora:{lora_name}"
+
+
+def event_namespace(namespace: str) -> str:
+    """A radix namespace in the KV events' form: routing_namespace of its parts."""
+    return routing_namespace(*split_namespace(namespace))
+
+
+def lora_int_id(lora_name: str) -> int:
+    """The `lora_id` of vLLM's BlockStored for an adapter: a stable 31-bit id of its name
+    (our adapters have no operator-given integer id; every replica derives the same one)."""
+    return zlib.crc32(lora_name.encode("utf-8")) & 0x7FFFFFFF

@@ -31,7 +31,7 @@ def test_kernel_deltas_equal_segment_gemms(lora_set: LoRASet, decode: bool) -> N
     g = torch.Generator().manual_seed(0)
     for names in (["alpha", None, "beta"], ["gamma", "alpha"], ["beta", "gamma"]):
         counts = [1] * len(names) if decode else [3, 2, 5][: len(names)]
-        runs = [(None if n is None else ad[n].layers, c) for n, c in zip(names, counts)]
+        runs = [(None if n is None else ad[n].layers, c) for n, c in zip(names, counts, strict=True)]
         cpu = LoRABatch.from_runs(runs)
         assert cpu is not None
         kern = cpu.on_slots(slots, sum(counts), decode)

@@ -1,12 +1,20 @@
 """Multi-LoRA offline: three adapters and the base model mixed in one batch give HF
 transformers' greedy tokens of the merged models (fp32), cache on and off; adapters are
-their own radix namespaces; --max-loras and --max-cpu-loras hold."""
+their own radix namespaces; --max-loras and --max-cpu-loras hold; a loading adapter stalls
+nothing but its own requests."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
+import radixserve.lora.manager as manager_module
 from radixserve import LLM, LoRARequest, SamplingParams
+from radixserve.engine.sampler import SampleResult
+from radixserve.ipc.messages import GenerateMsg
+from radixserve.sched.req import Batch
 from tests.lora.conftest import NUM_NEW, LoRASet
 
 ORDER = [None, "alpha", "beta", "gamma", "alpha", None, "gamma", "beta"]  # one per prompt
@@ -76,3 +84,49 @@ def test_lora_keywords_need_enable_lora(lora_set: LoRASet) -> None:
         llm.generate("hi", lora_request=_requests(lora_set, ["alpha"])[0])
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/p")
+
+
+def test_batches_hold_at_most_max_loras_adapters(lora_set: LoRASet) -> None:
+    llm = _llm(lora_set, max_loras=2)
+    seen: list[set[str]] = []
+    run = llm.engine.runner.run
+
+    def spy(batch: Batch) -> SampleResult:
+        reqs = batch.rows.reqs if batch.rows is not None else batch.reqs
+        seen.append({r.lora_name for r in reqs if r.lora_name is not None})
+        return run(batch)
+
+    llm.engine.runner.run = spy  # type: ignore[method-assign]
+    sp = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outs = llm.generate(lora_set.prompts, sp, lora_request=_requests(lora_set, ORDER))
+    assert [o.token_ids for o in outs] == [lora_set.refs[n][i] for i, n in enumerate(ORDER)]
+    assert max(len(s) for s in seen) == 2  # three adapters wanted, two at a time
+
+
+def test_a_loading_adapter_never_stalls_other_requests(
+        lora_set: LoRASet, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    real = manager_module.load_peft_adapter
+
+    def slow_load(*args: Any, **kw: Any) -> Any:
+        release.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(manager_module, "load_peft_adapter", slow_load)
+    llm = _llm(lora_set)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (alpha,) = _requests(lora_set, ["alpha"])
+    assert alpha is not None
+    engine.add_request(GenerateMsg("lora", lora_set.prompts[0], sp, lora_name="alpha",
+                                   lora_path=alpha.lora_path))
+    engine.add_request(GenerateMsg("base", lora_set.prompts[1], sp))
+    done: set[str] = set()
+    while "base" not in done:  # the base request runs to the end while alpha loads
+        done |= {o.rid for o in engine.step() if o.finish_reason is not None}
+    assert "lora" not in done and engine.scheduler.reqs["lora"].lora is None
+    release.set()
+    tokens = []
+    while engine.has_work():
+        tokens += [o.token_id for o in engine.step() if o.rid == "lora" and o.token_id is not None]
+    assert tokens == lora_set.refs["alpha"][0][:4]
