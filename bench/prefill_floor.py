@@ -96,7 +96,7 @@ def instrument(llm: LLM, clock: Clock) -> None:
         return out
 
     # A monkeypatch for this process: `recorded` passes *rest on rather than restating the
-    # signature model/llama.py owns, so it is no exact match for the method it replaces.
+    # signature model/layers/ owns, so it is no exact match for the method it replaces.
     model.forward = recorded  # type: ignore[method-assign, assignment]
 
 

@@ -3,7 +3,7 @@
 Owns: timing `rope_qk_store`, `fused_add_rmsnorm`, `rms_norm` and `silu_mul` at a decode shape
 (8 tokens, the Llama-1B layer: hidden 2048, 32/8 heads of 64, intermediate 8192) with the
 kernel launch (and its device test) replaced by a no-op, so what is timed is the wrapper's own Python: argument
-checks (`check=True`, what model/fused_forward.py runs on layer 0) or none (`check=False`,
+checks (`check=True`, what model/layers/ runs on layer 0) or none (`check=False`,
 its other layers), grid and block sizes. Does not know: the kernels' device time, or Triton's
 launch cost (timed on a GPU by bench.fused_kernels).
 

@@ -1,8 +1,8 @@
 """The paged attention kernels' shared inner step: a K/V block read, one online-softmax update.
 
 Owns: `kv_scales` (an 8-bit pool's per-KV-head scales, folded into the scores and the output),
-`load_kv_block` and `online_softmax_step`, @triton.jit helpers (inlined into the kernels that
-call them). Does not know: which positions a program attends to or how it masks them
+`load_kv_block`, `soft_cap` and `online_softmax_step`, @triton.jit helpers (inlined into the
+kernels that call them). Does not know: which positions a program attends to or how it masks them
 (decode: its split of the sequence; extend: causal over the new tokens), nor its output.
 """
 
@@ -47,13 +47,27 @@ def load_kv_block(k_cache, v_cache, table_row, offs_n, mask_n, kvh, offs_d, mask
 
 
 @triton.jit
+def soft_cap(s, cap2):
+    """Logit soft-capping of base-2 scores: cap2 * tanh(s / cap2), with cap2 = softcap * log2(e)
+    (the cap of natural-log scores, in base-2 units). tanh from exp2 of -2|x| (no overflow);
+    triton.language has no tanh that the interpreter also runs."""
+    x = s / cap2
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return cap2 * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def online_softmax_step(s, v_tile, m_i, l_i, acc, dtype: tl.constexpr,
                         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold one block of base-2 scores s (rows, N), masked to -inf, and its V tile into the
-    running max m_i (rows,), sum l_i (rows,) and output acc (rows, D); returns the three."""
+    running max m_i (rows,), sum l_i (rows,) and output acc (rows, D); returns the three.
+    A row with nothing visible yet (a sliding window's later tokens over the early blocks)
+    keeps m = -inf, l = 0, acc = 0."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])  # (rows, N)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # (rows, N)
     l_i = l_i * alpha + tl.sum(p, 1)
     # p is rounded to the operands' dtype for the PV product, as on the GPU path.
     p_lo = p.to(dtype)

@@ -11,6 +11,8 @@ Two stages, so that long contexts with small batches still fill the GPU:
   2. grid (B, q_heads): merges the chunks by their log-sum-exp.
 Chunks are sized per request in the kernel (seq_len / num_splits rounded up to BLOCK_N), so a
 short sequence uses fewer chunks; empty chunks report lse = -inf and are skipped by the merge.
+A sliding window W (a compile-time constant: one per layer kind) starts each request's range
+at seq_len - W, so the splits share only the window's keys; a soft-cap caps the scores.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -33,7 +35,7 @@ from triton_kernels._common import (
     dot_flags,
     next_pow2,
 )
-from triton_kernels._paged_tiles import kv_scales, load_kv_block, online_softmax_step
+from triton_kernels._paged_tiles import kv_scales, load_kv_block, online_softmax_step, soft_cap
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -42,19 +44,22 @@ MAX_SPLITS = 16
 @triton.jit
 def _decode_split_kernel(
     q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse, k_scale, v_scale,
-    qk_scale, stride_qb, stride_qh, stride_table,
+    qk_scale, softcap2, stride_qb, stride_qh, stride_table,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows + b).to(tl.int64)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -80,6 +85,8 @@ def _decode_split_kernel(
                                        offs_d, mask_d, dtype, NUM_KV_HEADS, HEAD_DIM, UPCAST,
                                        QUANT)  # (N, D) each
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # (G, N)
+        if SOFTCAP:
+            s = soft_cap(s, softcap2)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v_tile, m_i, l_i, acc, dtype, UPCAST,
                                             DOT_PRECISION)
@@ -99,11 +106,13 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     mid_o, mid_lse, seq_lens, out, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
+    if WINDOW > 0:  # the split kernel's range: the window's keys
+        seq_len = tl.minimum(seq_len, WINDOW)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -155,10 +164,14 @@ def decode_attention(
     out: torch.Tensor | None = None,  # (B, q_heads, head_dim)
     k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # sliding window: the last `window` positions only
+    softcap: float | None = None,  # scores s -> softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # (B, q_heads, head_dim)
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over K_b = k_cache[slot_table[rows[b],
-    :seq_lens[b]], h // group] (an 8-bit cache: times k_scale / v_scale of the KV head).
-    Accumulates in fp32; the current token's K/V must be stored."""
+    lo:seq_lens[b]], h // group] with lo = max(0, seq_lens[b] - window) (0 without a window),
+    an 8-bit cache times k_scale / v_scale of the KV head, a soft-cap applied to the scaled
+    scores. Accumulates in fp32; the current token's K/V must be stored. window and softcap
+    are per-layer constants (window compiles into the kernel: CUDA-graph safe)."""
     batch = q.shape[0]
     num_q_heads, num_kv_heads, head_dim, quant = check_paged_operands(
         q, k_cache, v_cache, k_scale, v_scale, slot_table, rows, batch)
@@ -181,16 +194,16 @@ def decode_attention(
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse,
         k_scale if quant else mid_lse, v_scale if quant else mid_lse,
-        scale * LOG2E, q.stride(0), q.stride(1), slot_table.stride(0),
+        scale * LOG2E, (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1), slot_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, num_warps=cfg.num_warps,
-        num_stages=2,
+        DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, WINDOW=window or 0,
+        SOFTCAP=softcap is not None, num_warps=cfg.num_warps, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
+        BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n, WINDOW=window or 0,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out

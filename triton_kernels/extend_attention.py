@@ -8,7 +8,9 @@ tokens x the GROUP query heads of one KV head, row r = token r // G_PAD, head r 
 each KV tile is read once per GQA group. New token j of request b sits at absolute position
 p = prefix_len + j and attends to KV positions 0..p; the program streams KV blocks from 0 to
 the last position any of its tokens needs, with one online softmax (base 2, fp32) over the
-cached prefix and the causal part alike.
+cached prefix and the causal part alike. A sliding window W (compile-time: one per layer kind)
+bounds each token's keys below by p - W + 1 and starts the stream at the block holding its
+first token's bound; a soft-cap caps the scaled scores before the mask.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -32,7 +34,7 @@ from triton_kernels._common import (
     dot_flags,
     next_pow2,
 )
-from triton_kernels._paged_tiles import kv_scales, load_kv_block, online_softmax_step
+from triton_kernels._paged_tiles import kv_scales, load_kv_block, online_softmax_step, soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -41,11 +43,11 @@ LOG2E = 1.4426950408889634
 def _extend_kernel(
     q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
     k_scale, v_scale,
-    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    qk_scale, softcap2, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, QUANT: tl.constexpr,
+    UPCAST: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # BLOCK_R == BLOCK_M * G_PAD
     m_start = tl.program_id(0) * BLOCK_M
@@ -80,15 +82,23 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     table_row = slot_table + row * stride_table
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW > 0:  # the block holding the first token's first visible key
+        kv_start = tl.maximum(prefix + m_start - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         k_tile, v_tile = load_kv_block(k_cache, v_cache, table_row, offs_n, mask_n, kvh,
                                        offs_d, mask_d, dtype, NUM_KV_HEADS, HEAD_DIM, UPCAST,
                                        QUANT)  # (N, D) each
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale  # (R, N)
-        # Column 0 is visible to every row, so m_i is finite after the first block.
+        if SOFTCAP:
+            s = soft_cap(s, softcap2)
+        # Without a window column 0 is visible to every row; with one, a row may see nothing
+        # of a block (online_softmax_step keeps such a row empty).
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v_tile, m_i, l_i, acc, dtype, UPCAST,
                                             DOT_PRECISION)
@@ -130,9 +140,13 @@ def extend_attention(
     out: torch.Tensor | None = None,  # (T, q_heads, head_dim)
     k_scale: torch.Tensor | None = None,  # (kv_heads,) float32: an 8-bit cache's scales
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # sliding window: positions p - window + 1 .. p only
+    softcap: float | None = None,  # scores s -> softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # (T, q_heads, head_dim)
     """Causal attention of each request's new tokens over slot_table[row, 0 : prefix + j + 1]
-    (an 8-bit cache: K/V read as stored * k_scale / v_scale of their KV head).
+    (an 8-bit cache: K/V read as stored * k_scale / v_scale of their KV head); with a window,
+    over slot_table[row, max(0, p - window + 1) : p + 1] for the token at p = prefix + j; a
+    soft-cap applied to the scaled scores.
 
     The new tokens' K/V must already be stored at their slots. `max_extend_len` (a host int,
     no device sync) must be >= every extend_lens[b]; it only sizes the grid.
@@ -158,12 +172,13 @@ def extend_attention(
     grid = (cdiv(max_extend_len, block_r // g_pad), batch, num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, slot_table, rows, prefix_lens, extend_lens, cu_extend, out,
-        k_scale if quant else out, v_scale if quant else out, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_scale if quant else out, v_scale if quant else out, scale * LOG2E,
+        (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         slot_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
         BLOCK_R=block_r, BLOCK_D=block_d(head_dim), BLOCK_M=block_r // g_pad,
         BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, WINDOW=window or 0,
+        SOFTCAP=softcap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -17,7 +17,7 @@ torch would round separately.
 
 NOTE (host cost): the argument checks cost several microseconds a call, as much as the launch
 itself in a decode step; `check=False` skips them for a caller that has checked the same
-layout already (model/fused_forward.py checks layer 0's calls of each forward, and the other
+layout already (model/layers/ check layer 0's calls of each forward, and the other
 layers' operands share its shapes, dtypes and devices).
 """
 

@@ -43,11 +43,14 @@ def attend_ref(
     values: torch.Tensor,  # (L, kv_heads, head_dim)
     visible: torch.Tensor,  # (n, L) bool: which keys each query sees
     scale: float,
+    softcap: float | None = None,  # scaled scores s -> softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # (n, q_heads, head_dim) fp32
     group = q.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)  # (L, q_heads, D)
     values = values.float().repeat_interleave(group, dim=1)  # (L, q_heads, D)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale  # (q_heads, n, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
 
@@ -62,13 +65,17 @@ def decode_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # the last `window` positions only
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (B, q_heads, head_dim)
     out = torch.empty_like(q)
     for b, (row, seq_len) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
         slots = slot_table[row, :seq_len].long()
         visible = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
+        if window is not None:
+            visible[:, : max(0, seq_len - window)] = False
         out[b] = attend_ref(q[b : b + 1], read_kv_ref(k_cache, slots, k_scale),
-                            read_kv_ref(v_cache, slots, v_scale), visible, scale)[0]
+                            read_kv_ref(v_cache, slots, v_scale), visible, scale, softcap)[0]
     return out
 
 
@@ -84,6 +91,8 @@ def extend_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # token at p sees positions p - window + 1 .. p only
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (T, q_heads, head_dim)
     out = torch.empty_like(q)
     starts = cu_extend.tolist()
@@ -93,10 +102,12 @@ def extend_attention_ref(
         q_pos = torch.arange(prefix, prefix + n, device=q.device)
         k_pos = torch.arange(prefix + n, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]  # (n, prefix + n)
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
         qb = q[starts[b] : starts[b] + n]
         out[starts[b] : starts[b] + n] = attend_ref(
             qb, read_kv_ref(k_cache, slots, k_scale), read_kv_ref(v_cache, slots, v_scale),
-            visible, scale)
+            visible, scale, softcap)
     return out
 
 

@@ -18,7 +18,7 @@ a bf16 tolerance, if a GPU ever rounded differently, would be one rounding step:
 
 NOTE (host cost): the argument checks cost about as much host time as the launch itself;
 `check=False` skips them for a caller that has checked the same layout already
-(model/fused_forward.py checks layer 0's call of each forward).
+(model/layers/ check layer 0's call of each forward).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"

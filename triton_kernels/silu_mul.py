@@ -9,7 +9,7 @@ rtol = atol = 2**-7 (one bf16 rounding step) in bf16 against `reference.silu_mul
 
 NOTE (host cost): the argument checks cost about as much host time as the launch itself;
 `check=False` skips them for a caller that has checked the same layout already
-(model/fused_forward.py checks layer 0's call of each forward).
+(model/layers/ check layer 0's call of each forward).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"

@@ -13,6 +13,17 @@ The model runner writes the table rows of a batch before building this metadata.
 Names: the per-request counts keep the kernels' (SGLang's) words: `prefix_lens` are a
 request's num_computed_tokens before this forward, `extend_lens` its num_new_tokens (a
 prefill chunk's length, or 1 for a decode).
+
+Per-call options (per layer: Gemma mixes sliding and global layers in one forward; both are
+constants of a layer, never per-step data, so a CUDA graph captures them as they are):
+- `window: int | None`: sliding-window attention as HF's `sliding_window` (transformers'
+  masking_utils.sliding_window_overlay: key kv is visible to query q iff kv > q - window):
+  the new token at absolute position p attends to positions max(0, p - window + 1) .. p, i.e.
+  the last `window` positions including itself. None: full causal attention.
+- `softcap: float | None`: logit soft-capping (Gemma 2's attn_logit_softcapping): each scaled
+  score s = (q . k) * scale becomes softcap * tanh(s / softcap) before the softmax (and before
+  the window's mask). None: no capping.
+Defaults (None, None) are the plain causal attention every caller had before.
 """
 
 from __future__ import annotations
@@ -26,12 +37,27 @@ from radixserve.attention.kv_quant import KVScale
 from radixserve.types import Phase
 
 
+def check_window_softcap(window: int | None, softcap: float | None) -> None:
+    """The per-call options' contract (module docstring); a bad value is a caller's bug."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1 token, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"logit soft-cap must be > 0, got {softcap}")
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first position a token at `position` attends to (0 without a window)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
 @dataclass(frozen=True)
 class SharedPrefix:
     """Requests of a decode batch whose first `length` KV slots are the same tree pages.
 
     A backend may attend to those slots once for the whole group (one gather, one matmul)
-    and merge with each request's own part by log-sum-exp; it may also ignore this.
+    and merge with each request's own part by log-sum-exp; it may also ignore this (a
+    windowed call must, or cut the group's part to each token's window: a window may end
+    inside a shared prefix).
     """
 
     members: torch.Tensor  # (n,) int64 batch indices
@@ -74,7 +100,7 @@ class AttentionBackend(Protocol):
 
     An 8-bit pool (--kv-cache-dtype fp8*) comes with the layer's scales (attention/kv_quant.py):
     the backend stores x / scale in 8 bits and reads stored * scale; None for a pool in the
-    model's dtype.
+    model's dtype. `window` and `softcap`: the module docstring's per-call options.
     """
 
     @property
@@ -93,6 +119,9 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: KVScale | None = None,
+        *,
+        window: int | None = None,  # sliding window (HF's sliding_window); None: causal
+        softcap: float | None = None,  # attention logit soft-cap; None: none
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
         ...
 
@@ -110,5 +139,8 @@ class StoredKVAttention(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: KVScale | None = None,  # an 8-bit pool's scales of this layer
+        *,
+        window: int | None = None,  # as in AttentionBackend.forward
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
         ...

@@ -37,7 +37,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 # The extension's name carries the source's version (a changed kernel gets a fresh build; torch
 # also rebuilds on a source hash change) and the CPU's flags: the build is -march=native, so
 # a cache directory shared with another kind of CPU must not hand it a binary it cannot run.
-EXT_BASE = "radixserve_cpu_attention_v20"
+EXT_BASE = "radixserve_cpu_attention_v21"
 # -ffast-math lets gcc vectorize the softmax's exp (glibc's libmvec). It is passed to the
 # compile step only: a link with it would add crtfastmath (flush-to-zero for the whole process).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -225,14 +225,21 @@ def load_prefill_attention() -> PrefillAttention | None:
     return op
 
 
+def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit soft-capping (Gemma 2): softcap * tanh(scores / softcap); None: as they are."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float
+                           seq_lens: torch.Tensor, scale: float, softcap: float | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes, in float64, request by request.
 
     q (B, Hq, D); k_cache, v_cache (S, Hkv, D); slot_table (R, Lmax) int32; rows, starts,
-    seq_lens (B,). Request b's query attends to slots slot_table[rows[b], starts[b]:seq_lens[b]].
+    seq_lens (B,). Request b's query attends to slots slot_table[rows[b], starts[b]:seq_lens[b]]
+    (a sliding window W is starts[b] raised to seq_lens[b] - W); softcap: the scaled scores
+    soft-capped before the softmax (the kernel's `softcap=`; None there is 0).
     Returns out (B, Hq, D) in q's dtype and lse (B, Hq) float32.
     """
     B, Hq, D = q.shape
@@ -243,7 +250,8 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         slots = slot_table[int(rows[b]), int(starts[b]):int(seq_lens[b])].long()
         keys = k_cache[slots].double().repeat_interleave(G, dim=1)  # (L, Hq, D)
         values = v_cache[slots].double().repeat_interleave(G, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].double(), keys) * scale  # (Hq, L)
+        scores = cap_scores(torch.einsum("hd,lhd->hl", q[b].double(), keys) * scale,
+                            softcap)  # (Hq, L)
         lse[b] = torch.logsumexp(scores, dim=-1).float()
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, values).to(q.dtype)
@@ -252,13 +260,17 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                prefix_slots: torch.Tensor, scale: float
+                                prefix_slots: torch.Tensor, scale: float,
+                                softcap: float | None = None, window: int | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What prefill_attention computes, in float64.
 
     q (M, Hq, D), k/v (M, Hkv, D): one request's chunk; prefix_slots (P,) int32: its cached
     keys' slots in k_cache/v_cache (S, Hkv, D). Query i attends to the P prefix keys and to
-    the chunk's keys 0..i. Returns out (M, Hq, D) in q's dtype and lse (M, Hq) float32.
+    the chunk's keys 0..i; with a window W, only to keys P + i - W + 1 .. P + i of that index
+    space (the prefix keys consecutive positions ending just before the chunk). softcap: the
+    scaled scores soft-capped before the softmax. (The kernel takes `softcap=`, `window=`;
+    0 there is None.) Returns out (M, Hq, D) in q's dtype and lse (M, Hq) float32.
     """
     M, Hq, _ = q.shape
     G = Hq // k.shape[1]
@@ -266,9 +278,14 @@ def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     keys = torch.cat([k_cache[slots], k]).double().repeat_interleave(G, dim=1)  # (P+M, Hq, D)
     values = torch.cat([v_cache[slots], v]).double().repeat_interleave(G, dim=1)
     P = slots.numel()
-    scores = torch.einsum("mhd,lhd->hml", q.double(), keys) * scale  # (Hq, M, P+M)
-    hidden = torch.ones(M, M, dtype=torch.bool, device=q.device).triu(1)
-    scores[:, :, P:] = scores[:, :, P:].masked_fill(hidden, float("-inf"))
+    scores = cap_scores(torch.einsum("mhd,lhd->hml", q.double(), keys) * scale,
+                        softcap)  # (Hq, M, P+M)
+    query = P + torch.arange(M, device=q.device)  # (M,) key index of each query
+    key = torch.arange(P + M, device=q.device)  # (P+M,)
+    hidden = key[None, :] > query[:, None]  # (M, P+M): causal
+    if window is not None:
+        hidden |= key[None, :] <= query[:, None] - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (Hq, M)
     out = torch.einsum("hml,lhd->mhd", torch.softmax(scores, dim=-1), values)
     return out.to(q.dtype), lse.transpose(0, 1).float().contiguous()

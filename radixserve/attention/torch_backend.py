@@ -17,7 +17,12 @@ drafts to verify) goes instead to the native paged kernel (cpu_kernels.py) when 
 was given it: one kernel row per new token, its own causal range read in place, then the groups
 merged as above;
 long prefill chunks likewise go to the native causal prefill kernel when given (varlen.py).
-The split and the plan (indices, mask) are built once per forward and reused by every layer.
+The split and the plan (indices, mask) are built once per forward and reused by every layer
+(one plan per sliding window the forward's layers use).
+A sliding window (attention/base.py) skips the shared groups (a window may end inside a shared
+prefix) and starts each request's own part at its first query's window; the masks and the native
+kernels bound each query's keys. A soft-cap is applied to every partial's scores (the torch
+partials then run as matmul + logsumexp; the native kernels cap in place).
 An 8-bit pool (--kv-cache-dtype fp8*; the layer's scales passed with each call) is stored
 quantized (kv_quant.store), read in place by the native decode and prefill kernels, and
 dequantized by every torch path as it gathers (kv_read.KVReader).
@@ -34,18 +39,20 @@ Query heads sharing a KV head (GQA groups of G) are folded into the query length
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionMetadata
-from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention
+from radixserve.attention.base import AttentionMetadata, check_window_softcap, window_start
+from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention, cap_scores
 from radixserve.attention.kv_quant import KVScale, store
 from radixserve.attention.kv_read import KVReader, Scratch
 from radixserve.attention.varlen import (
     Split,
     attend_long,
+    attend_positions,
     merge_outputs,
     split_batch,
     token_offsets,
@@ -61,28 +68,39 @@ SHORT_QUERY_MAX = 8
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            mask: torch.Tensor | None, scale: float, softcap: float | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over part of the keys, with its log-sum-exp for merging.
 
     q: (B, H, M, D); keys/values: (B, H, L, D), any strides with D contiguous; mask: additive,
-    q's dtype, broadcastable to (B, H, M, L), or None. Returns out (B, H, M, D) in q's dtype
-    and lse (B, H, M) float32.
+    q's dtype, broadcastable to (B, H, M, L), or None; softcap: scores soft-capped first.
+    Returns out (B, H, M, D) in q's dtype and lse (B, H, M) float32.
     """
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, keys, values, attn_mask=mask, scale=scale)
         return out, lse
-    return _attend_math(q, keys, values, mask, scale)
+    return _attend_math(q, keys, values, mask, scale, softcap)
 
 
 def _attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor | None, scale: float, softcap: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (B, H, M, L)
+    scores = cap_scores(scores, softcap)
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, M)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     return torch.matmul(probs.to(values.dtype), values), lse
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """One call's per-layer options (attention/base.py)."""
+
+    window: int | None
+    softcap: float | None
 
 
 @dataclass
@@ -112,17 +130,22 @@ class _Plan:
     groups: list[_Group]
 
 
-def _make_plan(meta: AttentionMetadata, group_size: int, dtype: torch.dtype) -> _Plan | None:
-    """The padded cascade plan, or None for one SDPA call per request."""
+def _make_plan(meta: AttentionMetadata, group_size: int, dtype: torch.dtype,
+               window: int | None) -> _Plan | None:
+    """The padded cascade plan, or None for one SDPA call per request. With a window (meta
+    without groups), each request's own part starts at its first query's window."""
     B, dev = meta.batch_size, meta.rows.device
     starts_cpu = meta.own_start_cpu or (0,) * B
+    starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
+    if window is not None:
+        starts_cpu = tuple(window_start(p, window) for p in meta.prefix_lens_cpu)
+        starts = (meta.prefix_lens.long() - (window - 1)).clamp(min=0)
     nq = meta.max_extend_len
     own_lens = [p + n - s for p, n, s in
                 zip(meta.prefix_lens_cpu, meta.extend_lens_cpu, starts_cpu, strict=True)]
     own_len = max(own_lens)
     if (B == 1 and not meta.shared) or (B * nq * own_len > MAX_PADDED_ELEMENTS and B > 1):
         return None
-    starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
     j = torch.arange(nq, device=dev)
     q_valid = j[None, :] < meta.extend_lens[:, None]  # (B, Nq)
     padded = any(n != nq for n in meta.extend_lens_cpu)
@@ -135,6 +158,8 @@ def _make_plan(meta: AttentionMetadata, group_size: int, dtype: torch.dtype) -> 
     if nq > 1 or any(n != own_len for n in own_lens):
         q_pos = meta.prefix_lens[:, None] + j[None, :]  # (B, Nq) absolute positions
         keep = k_pos[:, None, :] <= q_pos[:, :, None]  # (B, Nq, Lo): causal; also < seq_len
+        if window is not None:
+            keep &= k_pos[:, None, :] > q_pos[:, :, None] - window
         keep |= ~q_valid[:, :, None]  # padded queries attend to everything (output dropped)
         keep = keep[:, None, :, None, :].expand(B, 1, nq, group_size, own_len)
         zero = torch.zeros((), dtype=dtype, device=dev)
@@ -156,12 +181,13 @@ class _DecodePlan:
     groups: list[_Group]
 
 
-def _make_decode_plan(meta: AttentionMetadata) -> _DecodePlan:
+def _make_decode_plan(meta: AttentionMetadata, window: int | None) -> _DecodePlan:
     """One kernel row per new token: token j of request b is at position prefix_b + j and
     attends to [own_start_b, prefix_b + j + 1), which is causal attention (the forward stored
     every new token's K/V in the pool before attending). The groups' prefixes end at or before
     prefix_b (tree pages are computed), so every token sees all of its group's. A decode step
-    is the case of one token per request (built once per forward, not per layer)."""
+    is the case of one token per request (built once per forward, not per layer). A window
+    (meta without groups) raises each token's start to its position + 1 - window."""
     starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
     ext = meta.extend_lens.long()
     T = sum(meta.extend_lens_cpu)
@@ -170,8 +196,11 @@ def _make_decode_plan(meta: AttentionMetadata) -> _DecodePlan:
         return torch.repeat_interleave(x.long(), ext, output_size=T)
 
     j = torch.arange(T, device=ext.device) - per_token(meta.cu_extend[:-1])  # (T,)
-    return _DecodePlan(meta.slot_table, per_token(meta.rows), per_token(starts),
-                       per_token(meta.prefix_lens) + j + 1, _groups(meta))
+    ends = per_token(meta.prefix_lens) + j + 1
+    token_starts = per_token(starts)
+    if window is not None:
+        token_starts = torch.maximum(token_starts, (ends - window).clamp(min=0))
+    return _DecodePlan(meta.slot_table, per_token(meta.rows), token_starts, ends, _groups(meta))
 
 
 def _groups(meta: AttentionMetadata) -> list[_Group]:
@@ -202,20 +231,23 @@ class TorchAttentionBackend:
         # one forward receives the same `meta`.
         self._plan_meta: AttentionMetadata | None = None
         self._split: Split | None = None
-        self._plan: _Plan | _DecodePlan | None = None  # of the short requests (split.short_meta)
+        # of the short requests (split.short_meta), per sliding window (None: causal)
+        self._plans: dict[int | None, _Plan | _DecodePlan | None] = {}
         self.scratch = Scratch()
         self.paged_decode = paged_decode
         self.prefill = prefill
 
-    def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor
-                    ) -> _Plan | _DecodePlan | None:
+    def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor,
+                    window: int | None) -> _Plan | _DecodePlan | None:
         # Decode tokens and short chunks through the kernel: it reads each request's keys in
         # place, where the cascade gathers them into a padded block per layer first (a copy
         # as large as the keys) and then runs flash over it.
+        if window is not None:  # a window may end inside a shared prefix: no groups
+            meta = dataclasses.replace(meta, shared=(), own_start=None, own_start_cpu=())
         if (self.paged_decode is not None and meta.max_extend_len <= SHORT_QUERY_MAX
                 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)):
-            return _make_decode_plan(meta)
-        return _make_plan(meta, q.shape[1] // k.shape[1], q.dtype)
+            return _make_decode_plan(meta, window)
+        return _make_plan(meta, q.shape[1] // k.shape[1], q.dtype, window)
 
     def forward(
         self,
@@ -227,58 +259,65 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: KVScale | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        check_window_softcap(window, softcap)
         kscale, vscale = (None, None) if kv_scale is None else kv_scale
         store(k_cache, meta.out_slots, k, kscale)
         store(v_cache, meta.out_slots, v, vscale)
         reader = KVReader(self.scratch, kv_scale, q.dtype)
         if meta is not self._plan_meta:
-            new_split = split_batch(meta)
-            plan = None
-            if new_split.short_meta is not None:
-                plan = self._plan_short(new_split.short_meta, q, k)
-            self._plan_meta, self._split, self._plan = meta, new_split, plan
+            self._plan_meta, self._split, self._plans = meta, split_batch(meta), {}
         split = self._split
         assert split is not None
+        if split.short_meta is not None and window not in self._plans:
+            self._plans[window] = self._plan_short(split.short_meta, q, k, window)
+        lim = _Limits(window, softcap)
         if not split.long:
-            return self._short(q, k_cache, v_cache, meta, scale, reader)
+            return self._short(q, k_cache, v_cache, meta, scale, reader, lim)
         # Long prefill chunks one by one; decode tokens and short prefill chunks of the
         # same batch (a mixed step) through the cascade, on their own rows of q.
         out = torch.empty_like(q)
         if split.short_meta is not None:
             assert split.short_rows is not None
             short = self._short(q.index_select(0, split.short_rows), k_cache, v_cache,
-                                split.short_meta, scale, reader)
+                                split.short_meta, scale, reader, lim)
             out.index_copy_(0, split.short_rows, short)
         attend_long(q, k, v, k_cache, v_cache, meta, split.long, out, scale, reader.gather,
-                    self.prefill, kv_scale)
+                    self.prefill, kv_scale, window, softcap)
         return out
 
     def _short(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, reader: KVReader) -> torch.Tensor:
-        if self._plan is None:
-            return self._per_request(q, k_cache, v_cache, meta, scale, reader)
-        if isinstance(self._plan, _DecodePlan):
-            return self._decode_native(q, k_cache, v_cache, self._plan, scale, reader)
-        return self._cascade(q, k_cache, v_cache, self._plan, scale, reader)
+               meta: AttentionMetadata, scale: float, reader: KVReader, lim: _Limits
+               ) -> torch.Tensor:
+        plan = self._plans[lim.window]
+        if plan is None:
+            return self._per_request(q, k_cache, v_cache, meta, scale, reader, lim)
+        if isinstance(plan, _DecodePlan):
+            return self._decode_native(q, k_cache, v_cache, plan, scale, reader, lim.softcap)
+        return self._cascade(q, k_cache, v_cache, plan, scale, reader, lim.softcap)
 
     def _decode_native(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       plan: _DecodePlan, scale: float, reader: KVReader) -> torch.Tensor:
+                       plan: _DecodePlan, scale: float, reader: KVReader,
+                       softcap: float | None) -> torch.Tensor:
         """Each request's own part by the native kernel, then its shared group merged in."""
         assert self.paged_decode is not None
         T, Hq, D = q.shape  # one kernel row per new token
         Hkv = k_cache.shape[1]
         kscale, vscale = (None, None) if reader.kv_scale is None else reader.kv_scale
         out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
-                                     plan.starts, plan.seq_lens, scale, kscale,
-                                     vscale)  # (T, Hq, D), (T, Hq)
+                                     plan.starts, plan.seq_lens, scale, kscale, vscale,
+                                     softcap=softcap or 0.0)  # (T, Hq, D), (T, Hq)
         out, lse = out.view(T, Hkv, Hq // Hkv, D), lse.view(T, Hkv, Hq // Hkv)
         for g in plan.groups:  # disjoint: each token is merged at most once
-            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader)
+            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader, softcap)
         return out.reshape(T, Hq, D)
 
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 plan: _Plan, scale: float, reader: KVReader) -> torch.Tensor:
+                 plan: _Plan, scale: float, reader: KVReader, softcap: float | None
+                 ) -> torch.Tensor:
         T, Hq, D = q.shape
         Hkv = k_cache.shape[1]
         G = Hq // Hkv
@@ -287,19 +326,20 @@ class TorchAttentionBackend:
         qp = qp.reshape(B, Nq, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, Nq * G, D)
         keys = reader.gather(k_cache, plan.own_slots, "k").view(B, Lo, Hkv, D).transpose(1, 2)
         values = reader.gather(v_cache, plan.own_slots, "v").view(B, Lo, Hkv, D).transpose(1, 2)
-        out, lse = _attend(qp, keys, values, plan.mask, scale)  # (B,Hkv,Nq*G,D), (B,Hkv,Nq*G)
+        out, lse = _attend(qp, keys, values, plan.mask, scale,
+                           softcap)  # (B, Hkv, Nq * G, D), (B, Hkv, Nq * G)
         out = out.reshape(B, Hkv, Nq, G, D).transpose(1, 2).reshape(B * Nq, Hkv, G, D)
         lse = lse.reshape(B, Hkv, Nq, G).transpose(1, 2).reshape(B * Nq, Hkv, G)
         if plan.out_rows is not None:
             out, lse = out.index_select(0, plan.out_rows), lse.index_select(0, plan.out_rows)
         for g in plan.groups:  # disjoint: each token is merged at most once
-            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader)
+            out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader, softcap)
         return out.reshape(T, Hq, D)
 
     @staticmethod
     def _merge_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
-                     out: torch.Tensor, lse: torch.Tensor, scale: float, reader: KVReader
-                     ) -> torch.Tensor:
+                     out: torch.Tensor, lse: torch.Tensor, scale: float, reader: KVReader,
+                     softcap: float | None) -> torch.Tensor:
         """Attend the group's tokens to its shared prefix and merge into `out` (T, Hkv, G, D)
         by log-sum-exp: o = o_prefix + sigmoid(lse_own - lse_prefix) * (o_own - o_prefix)."""
         _, Hkv, G, D = out.shape
@@ -308,7 +348,7 @@ class TorchAttentionBackend:
         gq = gq.reshape(N, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, N * G, D)
         gk = g.keys(k_cache, reader, "k").transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
         gv = g.keys(v_cache, reader, "v").transpose(0, 1).unsqueeze(0)
-        o2, lse2 = _attend(gq, gk, gv, None, scale)  # (1, Hkv, N*G, D), (1, Hkv, N*G)
+        o2, lse2 = _attend(gq, gk, gv, None, scale, softcap)  # (1,Hkv,N*G,D), (1,Hkv,N*G)
         o2 = o2.reshape(Hkv, N, G, D).transpose(0, 1)  # (N, Hkv, G, D)
         lse2 = lse2.reshape(Hkv, N, G).transpose(0, 1)  # (N, Hkv, G)
         o1, lse1 = out, lse
@@ -320,12 +360,23 @@ class TorchAttentionBackend:
         return out.index_copy(0, g.token_rows, merged)
 
     def _per_request(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, reader: KVReader) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, reader: KVReader, lim: _Limits
+                     ) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for row, prefix, n in zip(meta.rows_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu,
                                   strict=True):
             total = prefix + n
+            if lim.window is not None or lim.softcap is not None:
+                lo = window_start(prefix, lim.window)
+                slots = meta.slot_table[row, lo:total]  # (total - lo,)
+                dev = q.device
+                out[start : start + n], _ = attend_positions(
+                    q[start : start + n], reader.gather(k_cache, slots, "k"),
+                    reader.gather(v_cache, slots, "v"), torch.arange(prefix, total, device=dev),
+                    torch.arange(lo, total, device=dev), scale, lim.window, lim.softcap)
+                start += n
+                continue
             slots = meta.slot_table[row, :total]  # (total,)
             keys = reader.gather(k_cache, slots, "k").transpose(0, 1).unsqueeze(0)
             values = reader.gather(v_cache, slots, "v").transpose(0, 1).unsqueeze(0)

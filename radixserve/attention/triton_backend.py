@@ -2,8 +2,10 @@
 
 Owns: mapping one layer's forward onto triton_kernels: store this forward's K/V, then paged
 decode (split-K) or prefill (extend) attention; `attend` alone where the model stored the K/V
-itself (fused with RoPE: model/fused_forward.py); an 8-bit pool's layer scales go to all
-three kernels (stored = x / scale, read = stored * scale). Does not know: the model, the scheduler, how slots are
+itself (fused with RoPE: model/layers/attention.py); an 8-bit pool's layer scales go to all
+three kernels (stored = x / scale, read = stored * scale); a layer's sliding window and soft-cap
+go to both attention kernels (the window is compiled in: a per-layer constant, so a CUDA graph
+replays each layer's own kernel). Does not know: the model, the scheduler, how slots are
 allocated. Reads only what AttentionMetadata carries; no host-device sync.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.attention.base import AttentionMetadata
+from radixserve.attention.base import AttentionMetadata, check_window_softcap
 from radixserve.attention.kv_quant import KVScale
 from radixserve.types import Phase
 from triton_kernels import decode_attention, extend_attention, store_kv
@@ -38,10 +40,14 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: KVScale | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
         ks, vs = (None, None) if kv_scale is None else kv_scale
         store_kv(k_cache, v_cache, k, v, meta.out_slots, ks, vs)
-        return self.attend(q, k_cache, v_cache, meta, scale, kv_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, kv_scale, window=window,
+                           softcap=softcap)
 
     def attend(
         self,
@@ -51,14 +57,20 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: KVScale | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
+        check_window_softcap(window, softcap)
         ks, vs = (None, None) if kv_scale is None else kv_scale
         if meta.phase is Phase.DECODE:
             return decode_attention(
                 q, k_cache, v_cache, meta.slot_table, meta.rows, meta.seq_lens, scale,
-                num_splits=self.num_kv_splits, k_scale=ks, v_scale=vs,
+                num_splits=self.num_kv_splits, k_scale=ks, v_scale=vs, window=window,
+                softcap=softcap,
             )
         return extend_attention(
             q, k_cache, v_cache, meta.slot_table, meta.rows, meta.prefix_lens,
             meta.extend_lens, meta.cu_extend, meta.max_extend_len, scale, k_scale=ks, v_scale=vs,
+            window=window, softcap=softcap,
         )

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.attention.base import AttentionMetadata, SharedPrefix
-from radixserve.attention.cpu_kernels import PREFILL_HEAD_DIMS, PrefillAttention
+from radixserve.attention.base import AttentionMetadata, SharedPrefix, window_start
+from radixserve.attention.cpu_kernels import PREFILL_HEAD_DIMS, PrefillAttention, cap_scores
 from radixserve.attention.kv_quant import KVScale
 
 # A prefill chunk this long is attended on its own: padding it into a block with the others
@@ -123,6 +123,39 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 Gather = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (cache, slots, key)
 
 
+def attend_positions(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+                     window: int | None, softcap: float | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention by positions, with the per-call options (attention/base.py): query at q_pos
+    sees the keys at k_pos <= q_pos (and > q_pos - window), scores soft-capped. q (M, Hq, D),
+    keys/values (L, Hkv, D), q_pos (M,), k_pos (L,) -> out (M, Hq, D), lse (M, Hq) float32.
+    Every query must see at least one key (its own position is among k_pos).
+
+    GQA groups are folded into the query length: (M, Hkv, G, D) -> (1, Hkv, M * G, D)."""
+    M, Hq, D = q.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    qf = q.reshape(M, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, M * G, D)
+    kf, vf = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    keep = k_pos[None, :] <= q_pos[:, None]  # (M, L)
+    if window is not None:
+        keep &= k_pos[None, :] > q_pos[:, None] - window
+    keep = keep.repeat_interleave(G, dim=0)  # (M * G, L), rows as qf's
+    if softcap is None and q.device.type == "cpu":
+        mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~keep, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qf, kf, vf, attn_mask=mask, scale=scale)
+    else:
+        scores = cap_scores(torch.matmul(qf, kf.transpose(-1, -2)).float() * scale, softcap)
+        scores = scores.masked_fill(~keep, float("-inf"))  # (1, Hkv, M * G, L)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(vf.dtype), vf)
+    out = out.reshape(Hkv, M, G, D).transpose(0, 1).reshape(M, Hq, D)
+    return out, lse.reshape(Hkv, M, G).transpose(0, 1).reshape(M, Hq)
+
+
 def merge_outputs(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
                   ) -> torch.Tensor:
     """Two partial attentions of the same queries over disjoint keys, merged by log-sum-exp:
@@ -148,7 +181,8 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, long: tuple[int, ...],
                 out: torch.Tensor, scale: float, gather: Gather,
-                kernel: PrefillAttention | None = None, kv_scale: KVScale | None = None) -> None:
+                kernel: PrefillAttention | None = None, kv_scale: KVScale | None = None,
+                window: int | None = None, softcap: float | None = None) -> None:
     """Write into out (T, Hq, D) the attention of the long prefill chunks' tokens.
 
     q (T, Hq, D), k/v (T, Hkv, D): this forward's tokens, already stored in the pool.
@@ -158,9 +192,16 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     without a mask to this forward's earlier tokens (views of k/v) and to the cached prefix,
     the parts merged by log-sum-exp. With `kernel` (cpu_kernels.load_prefill_attention()),
     each prefill chunk is one call instead: the prefix read in place, causal blocks skipped.
+    window / softcap (attention/base.py): only the prefix inside the first query's window is
+    read; the torch path then attends each query chunk by positions (attend_positions).
     """
     if kernel is not None and kernel_applies(q, k, v):
-        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel, kv_scale)
+        _attend_long_native(q, k, v, k_cache, v_cache, meta, long, out, scale, kernel, kv_scale,
+                            window, softcap)
+        return
+    if window is not None or softcap is not None:
+        _attend_long_limited(q, k, v, k_cache, v_cache, meta, long, out, scale, gather, window,
+                             softcap)
         return
     cu = token_offsets(meta.extend_lens_cpu)
 
@@ -186,6 +227,35 @@ def attend_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
             out[s + c0 : s + c1] = o[0].transpose(0, 1)
 
 
+def _attend_long_limited(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         long: tuple[int, ...], out: torch.Tensor, scale: float, gather: Gather,
+                         window: int | None, softcap: float | None) -> None:
+    """attend_long with a window or a soft-cap, in torch: per query chunk, one attention by
+    positions over the keys its window reaches (the prefix's from the pool, this forward's
+    as views of k/v)."""
+    cu = token_offsets(meta.extend_lens_cpu)
+    dev = q.device
+    for b in long:
+        s, e = cu[b], cu[b + 1]
+        prefix = meta.prefix_lens_cpu[b]
+        lo = window_start(prefix, window)
+        slots = meta.slot_table[meta.rows_cpu[b], lo:prefix]
+        kp, vp = gather(k_cache, slots, "k"), gather(v_cache, slots, "v")  # (P', Hkv, D)
+        for c0, c1 in _chunks(e - s):
+            first = window_start(prefix + c0, window)  # the chunk's first visible key
+            keys = [kp[first - lo :]] if first < prefix else []
+            values = [vp[first - lo :]] if first < prefix else []
+            n0 = max(first - prefix, 0)  # this forward's tokens from n0 on
+            keys.append(k[s + n0 : s + c1])
+            values.append(v[s + n0 : s + c1])
+            k_pos = torch.arange(first, prefix + c1, device=dev)
+            q_pos = torch.arange(prefix + c0, prefix + c1, device=dev)
+            o, _ = attend_positions(q[s + c0 : s + c1], torch.cat(keys), torch.cat(values),
+                                    q_pos, k_pos, scale, window, softcap)
+            out[s + c0 : s + c1] = o
+
+
 def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the native prefill kernel takes these tensors (else the torch path)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
@@ -196,14 +266,19 @@ def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         long: tuple[int, ...], out: torch.Tensor, scale: float,
-                        kernel: PrefillAttention, kv_scale: KVScale | None) -> None:
+                        kernel: PrefillAttention, kv_scale: KVScale | None,
+                        window: int | None, softcap: float | None) -> None:
     """attend_long through the native kernel: one call per prefill chunk, its whole chunk causal on
     itself and unmasked on its prefix (slots read from the pool, no gather; an 8-bit pool's rows
-    converted with kv_scale by the kernel as it reads them)."""
+    converted with kv_scale by the kernel as it reads them). With a window, only the prefix
+    slots the chunk's first query sees are passed, and the kernel bounds each query's keys."""
     cu = token_offsets(meta.extend_lens_cpu)
     scales = () if kv_scale is None else tuple(kv_scale)
     for b in long:
         s, e = cu[b], cu[b + 1]
-        slots = meta.slot_table[meta.rows_cpu[b], : meta.prefix_lens_cpu[b]]  # (P,) int32
-        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale, *scales)
+        prefix = meta.prefix_lens_cpu[b]
+        lo = window_start(prefix, window)
+        slots = meta.slot_table[meta.rows_cpu[b], lo:prefix]  # (P,) int32
+        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale, *scales,
+                      softcap=softcap or 0.0, window=window or 0)
         out[s:e] = o

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from radixserve.cache.kv_pool import KVPool
     from radixserve.config import EngineConfig
     from radixserve.engine.step_inputs import StepInputs
-    from radixserve.model.llama import LlamaModel
+    from radixserve.model.families.base import CausalLM
     from radixserve.sched.req import Batch
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def graph_key(plan: GraphPlan, batch: Batch) -> GraphKey | None:
 class CudaGraphRunner:
     """Pads decode (and verify) steps to a bucket and replays that bucket's graph."""
 
-    def __init__(self, plan: GraphPlan, model: LlamaModel, pool: KVPool, vocab_size: int,
+    def __init__(self, plan: GraphPlan, model: CausalLM, pool: KVPool, vocab_size: int,
                  fixed_meta: bool = False) -> None:
         assert plan.enabled, plan.reason
         self.plan, self.model, self.pool = plan, model, pool
@@ -181,7 +181,7 @@ class CudaGraphRunner:
 
 
 def start_graphs(cfg: EngineConfig, device: torch.device, backend_name: str,
-                 model: LlamaModel, pool: KVPool, vocab_size: int) -> CudaGraphRunner | None:
+                 model: CausalLM, pool: KVPool, vocab_size: int) -> CudaGraphRunner | None:
     """The runner with its graphs captured, or None (eager), saying so once in the log."""
     plan = plan_graphs(cfg, device, backend_name)
     if not plan.enabled:

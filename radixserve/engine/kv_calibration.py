@@ -22,7 +22,7 @@ from safetensors import safe_open
 from radixserve.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.attention.kv_quant import KVScale, scales_from_amax
 from radixserve.cache.kv_pool import KVPool
-from radixserve.model.llama import LlamaModel
+from radixserve.model.families.base import CausalLM
 from radixserve.types import Phase
 
 # Mixed registers on purpose (prose, dialogue, code, numbers, a list): the K/V ranges of a
@@ -95,14 +95,16 @@ class _AmaxRecorder:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scale: KVScale | None = None) -> torch.Tensor:
+                kv_scale: KVScale | None = None, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         self.k_amax.append(k.abs().amax(dim=(0, 2)).float())  # (Hkv,)
         self.v_amax.append(v.abs().amax(dim=(0, 2)).float())
-        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, window=window,
+                                  softcap=softcap)
 
 
 @contextlib.contextmanager
-def _recording(model: LlamaModel) -> Iterator[_AmaxRecorder]:
+def _recording(model: CausalLM) -> Iterator[_AmaxRecorder]:
     # NOTE: swaps the model's backend for the one calibration forward (start-up, before any
     # request); restored whatever happens.
     recorder = _AmaxRecorder(model.backend)
@@ -128,7 +130,7 @@ def _prefill_meta(n: int, device: torch.device) -> AttentionMetadata:
         extend_lens_cpu=(n,), max_seq_len=n, max_extend_len=n, rows_cpu=(0,))
 
 
-def calibrate(model: LlamaModel, token_ids: list[int], kv_dtype: torch.dtype,
+def calibrate(model: CausalLM, token_ids: list[int], kv_dtype: torch.dtype,
               num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
               ) -> KVScales:
     """Scales from one prefill of `token_ids` (the model's own dtype for the K/V it records)."""
@@ -144,7 +146,7 @@ def calibrate(model: LlamaModel, token_ids: list[int], kv_dtype: torch.dtype,
     return KVScales(k, v, f"calibration over {n} tokens of built-in text")
 
 
-def set_pool_scales(pool: KVPool, model: LlamaModel, tokenizer: Any, hf_dir: Path,
+def set_pool_scales(pool: KVPool, model: CausalLM, tokenizer: Any, hf_dir: Path,
                     max_len: int) -> str:
     """Write an 8-bit pool's scales: the checkpoint's, else calibrated on CALIBRATION_TEXT (at
     most max_len tokens of it). Returns where they came from."""

@@ -30,10 +30,10 @@ from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
 from radixserve.engine.tp_lead import TPLead, start_tp
 from radixserve.engine.tp_ranks import TPRank
-from radixserve.model.arch import ModelArch, read_model_spec
+from radixserve.model.arch import ModelArch
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
-from radixserve.model.llama import LlamaModel
-from radixserve.model.rope import RotaryTable
+from radixserve.model.families.registry import build_model, family_of, read_model_spec
+from radixserve.model.lora_delta import StepLoRA
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
@@ -110,15 +110,13 @@ class ModelRunner:
             shard, self.tp, self.tp_lead = start_tp(cfg, self.spec, self.device, tp_rank)
         self.is_lead = tp_rank is None or tp_rank.rank == 0
         weights = load_weights(self.resolved.hf_dir, self.spec, self.dtype, self.device,
-                               show_progress, shard)
-        rotary = RotaryTable(self.spec.rope, self.spec.head_dim, self.max_model_len, self.dtype,
-                             self.device)
+                               show_progress, shard, family_of(self.spec.architecture).weight_names)
         self.backend_name, backend = _choose_backend(cfg.attention_backend, self.device)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
-        self.model = LlamaModel(model_spec, weights, rotary, backend, cfg.quantization,
-                                tp=self.tp, shard=shard,
-                                # LoRA steps run llama.py's loop (deltas between the GEMMs)
-                                fused=False if cfg.lora is not None else None)
+        # --enable-lora: every projection carries the hook that adds a step's adapter deltas
+        self.lora_hook = None if cfg.lora is None else StepLoRA()
+        self.model = build_model(model_spec, weights, backend, self.max_model_len,
+                                 cfg.quantization, tp=self.tp, shard=shard, lora=self.lora_hook)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
@@ -322,8 +320,14 @@ class ModelRunner:
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
         """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""
-        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.pool.k,
-                                  self.pool.v, inputs.logit_rows, self.kv_scales, inputs.lora)
+        if self.lora_hook is None:
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                      self.pool.k, self.pool.v, inputs.logit_rows,
+                                      self.kv_scales)
+        with self.lora_hook.using(inputs.lora):
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                      self.pool.k, self.pool.v, inputs.logit_rows,
+                                      self.kv_scales)
 
     def tp_stats(self) -> dict[str, Any]:
         """Tensor parallelism's figures (empty without it); raises TPFailedError once a rank

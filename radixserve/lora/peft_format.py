@@ -8,7 +8,7 @@ patterns), the scaling (`lora_alpha / r`, or `/ sqrt(r)` with `use_rslora`) and 
 digest. Does not know: requests, batches, devices (weights are read to CPU; manager.py places
 them).
 
-Fusing: the model runs q/k/v as one `qkv` GEMM and gate/up as one `gate_up` GEMM, so an
+Fusing: the model runs q/k/v as one `qkv_proj` GEMM and gate/up as one `gate_up_proj`, so an
 adapter's per-projection A matrices are stacked into one shrink (parts * r, in) and its B
 matrices into one block-diagonal expand (out, parts * r): one shrink and one expand GEMM per
 fused target. A projection the adapter leaves out is a zero block; an adapter trained on a
@@ -33,12 +33,13 @@ from radixserve.model.lora_delta import LoRAWeights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-TARGETS = ("qkv", "o", "gate_up", "down")  # the model's fused linear layers, in forward order
-# PEFT module name -> (fused target, part index in it)
-_MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
-            "qkv_proj": ("qkv", -1), "o_proj": ("o", 0), "gate_proj": ("gate_up", 0),
-            "up_proj": ("gate_up", 1), "gate_up_proj": ("gate_up", -1),
-            "down_proj": ("down", 0)}
+# The model's fused linear layers (model/layers/linear.py's LinearLayer names), in order
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# PEFT module name -> (fused target, part index in it; -1: the fused projection itself)
+_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "qkv_proj": ("qkv_proj", -1), "o_proj": ("o_proj", 0),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+            "gate_up_proj": ("gate_up_proj", -1), "down_proj": ("down_proj", 0)}
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
 _UNSERVED_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
@@ -72,8 +73,9 @@ def target_parts(spec: ModelArch, target: str) -> tuple[tuple[int, int], tuple[i
     """((in_features, out_features), the output sizes of its parts) of a fused target."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, inter = spec.hidden_size, spec.intermediate_size
-    return {"qkv": ((h, q + 2 * kv), (q, kv, kv)), "o": ((q, h), (h,)),
-            "gate_up": ((h, 2 * inter), (inter, inter)), "down": ((inter, h), (h,))}[target]
+    return {"qkv_proj": ((h, q + 2 * kv), (q, kv, kv)), "o_proj": ((q, h), (h,)),
+            "gate_up_proj": ((h, 2 * inter), (inter, inter)),
+            "down_proj": ((inter, h), (h,))}[target]
 
 
 def _fail(path: Path, why: str) -> LoRALoadError:

@@ -19,7 +19,6 @@ oneDNN (or bf16 support in it), or `prepack=False`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -140,22 +139,3 @@ class GatedMLP:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (M, inter) each
             act = F.silu(gate) * up
         return self.down(act) if residual is None else self.down.add_to(residual, act)
-
-    def with_deltas(self, x: torch.Tensor, residual: torch.Tensor,
-                    add_delta: Callable[[str, torch.Tensor, torch.Tensor], None]
-                    ) -> torch.Tensor:
-        """residual + down(silu(gate) * up) with `add_delta(target, input, output)` adding
-        LoRA updates to gate_up's output before the activation and to down's after it (no
-        fused epilogue: the deltas come between the GEMM and its activation)."""
-        if self.gate_up_q is None and self.gate_up is None:
-            lp = torch.ops.mkldnn._linear_pointwise
-            gate_up = torch.cat([lp(x, self.gate, None, "none", [], ""),
-                                 lp(x, self.up, None, "none", [], "")], dim=-1)  # (M, 2 * inter)
-        else:
-            gate_up = self.gate_up_proj(x)  # (M, 2 * inter)
-        add_delta("gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)  # (M, inter) each
-        act = F.silu(gate) * up
-        out = self.down.add_to(residual, act)  # (M, hidden)
-        add_delta("down", act, out)
-        return out

@@ -1,7 +1,9 @@
 """LoRA deltas of one forward: each adapter's low-rank update added to its tokens' outputs.
 
 Owns: `LoRAWeights` (one fused target's A and B), `LoRABatch` (which contiguous token segments
-of a step use which adapter) and `add_delta`, the only place the forward adds them:
+of a step use which adapter), `StepLoRA` (the LoraHook every LinearLayer of a LoRA-enabled
+model carries: it applies the batch set around the current forward) and `add_delta`, the only
+place the deltas are added:
 y[seg] += (x[seg] @ A.T) @ B.T for every adapter segment, i.e. one shrink and one expand GEMM
 per segment and target (fused q/k/v and gate/up are one target each: peft_format.py stacks
 their A's and block-diagonalizes their B's). Segments, never tokens: the Python loop runs once
@@ -12,13 +14,15 @@ over the segments. Does not know: files, requests, the scheduler, radix keys.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.model.layers.linear import LinearLayer
     from radixserve.model.lora_slots import LoRASlots
 
 
@@ -122,3 +126,27 @@ class LoRABatch:
             return
         seg = (k.seg_start, k.seg_len, k.seg_slot)
         lora_expand(lora_shrink(x, a, t, *seg, k.max_seg_len), b, y, *seg, k.max_seg_len)
+
+
+class StepLoRA:
+    """The LoraHook (model/layers/linear.py) of a model built with adapters: each LinearLayer
+    named `qkv_proj`, `o_proj`, `gate_up_proj` or `down_proj` gets its adapters' deltas for
+    the forward running inside `using(batch)` (none outside it: base-only steps, CUDA graph
+    capture). The runner's attribute, set once per forward, never nested."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+    @contextmanager
+    def using(self, batch: LoRABatch | None) -> Iterator[None]:
+        assert self.batch is None, "one forward at a time"
+        self.batch = batch
+        try:
+            yield
+        finally:
+            self.batch = None
+
+    def __call__(self, layer: LinearLayer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.batch is not None:
+            self.batch.add_delta(layer.layer, layer.name, x, y)
+        return y

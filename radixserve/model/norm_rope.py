@@ -5,7 +5,7 @@ version and CPU flags; compiled without -ffast-math and without FMA contraction,
 round as the torch code does), the ops `torch.ops.radixserve.rms_norm` / `rope_qk`, and
 `rms_norm_reference` / `rope_qk_reference`: the torch code they replace, which is also the
 path on CUDA with the torch attention backend (the Triton backend's forward runs
-fused_forward.py's kernels instead), without the build, or with RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers,
+layers/' fused Triton path instead), without the build, or with RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers,
 the attention backend, where the cos/sin tables come from (model/rope.py).
 
 Why: the torch forms run 4-6 elementwise ops per call, each a pass over (and a fresh

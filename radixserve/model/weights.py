@@ -1,6 +1,8 @@
 """Reading safetensors weights into the fused layout the forward pass uses.
 
-Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into gate_up),
+Owns: name mapping from HF checkpoints (q/k/v fused into qkv, gate/up fused into gate_up, or
+read fused where the checkpoint stores them so: Phi-3's qkv_proj / gate_up_proj; a family's
+extra per-layer tensors such as QK-norms and Gemma's feed-forward norms: WeightNames),
 dtype/device placement, the loading progress bar, and reading only a tensor-parallel rank's
 slices (tp_shard.py says which). Does not know: the forward pass.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,16 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: torch.Tensor  # (2 * intermediate, hidden)
     down: torch.Tensor  # (hidden, intermediate)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # WeightNames.extra's
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """A family's per-layer checkpoint names (under `layers.N.`) where they are not Llama's."""
+
+    fused_qkv: str | None = None  # e.g. "self_attn.qkv_proj": q, k, v rows in one tensor
+    fused_gate_up: str | None = None  # e.g. "mlp.gate_up_proj": gate rows, then up rows
+    extra: tuple[str, ...] = ()  # replicated per-layer weights, e.g. "self_attn.q_norm"
 
 
 @dataclass
@@ -81,8 +93,9 @@ def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
 def load_weights(
     hf_dir: Path, spec: ModelArch, dtype: torch.dtype, device: torch.device,
     show_progress: bool = True, shard: TPShard | None = None,
+    names: WeightNames = WeightNames(),
 ) -> ModelWeights:
-    """The model's weights; with `shard`, only that tensor-parallel rank's slices
+    """The model's weights (`names`: the family's checkpoint names); with `shard`, only that tensor-parallel rank's slices
     (model/tp_shard.py), the vocabulary shard padded to vocab_per_rank rows."""
     with ExitStack() as stack:
         ckpt = _Checkpoint(hf_dir, stack)
@@ -94,14 +107,45 @@ def load_weights(
             bar.update(1)
             return ckpt.read(name, rows, cols).to(device=device, dtype=dtype).contiguous()
 
-        return _load(spec, take, shard, "lm_head.weight" in ckpt.where)
+        return _load(spec, take, shard, "lm_head.weight" in ckpt.where, names)
 
 
 Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor
 
 
-def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
-          ) -> ModelWeights:
+def _shift(rows: slice | None, offset: int, size: int) -> slice:
+    """Rows of a sub-projection inside a fused tensor (None: all `size` of them)."""
+    start, stop = (0, size) if rows is None else (rows.start, rows.stop)
+    return slice(offset + start, offset + stop)
+
+
+def _qkv(spec: ModelArch, take: Take, p: str, rows: dict[str, slice | None], names: WeightNames,
+         kind: str) -> torch.Tensor:
+    """The q, k, v rows (this rank's) of the weight or bias, as one tensor."""
+    if names.fused_qkv is None:
+        return torch.cat([take(p + f"self_attn.{n}_proj.{kind}", rows[n]) for n in "qkv"])
+    name = f"{p}{names.fused_qkv}.{kind}"
+    if all(r is None for r in rows.values()):
+        return take(name)
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+    return torch.cat([take(name, _shift(rows[n], *offsets[n])) for n in "qkv"])
+
+
+def _gate_up(spec: ModelArch, take: Take, p: str, mlp: slice | None, names: WeightNames
+             ) -> torch.Tensor:
+    if names.fused_gate_up is None:
+        return torch.cat([take(p + "mlp.gate_proj.weight", mlp),
+                          take(p + "mlp.up_proj.weight", mlp)])
+    name = f"{p}{names.fused_gate_up}.weight"
+    if mlp is None:
+        return take(name)
+    inter = spec.intermediate_size
+    return torch.cat([take(name, _shift(mlp, 0, inter)), take(name, _shift(mlp, inter, inter))])
+
+
+def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool,
+          names: WeightNames) -> ModelWeights:
     q = kv = mlp = vocab = None
     if shard is not None:
         q, kv, mlp = shard.q_rows(), shard.kv_rows(), shard.mlp_rows()
@@ -110,10 +154,8 @@ def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         rows = {"q": q, "k": kv, "v": kv}
-        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight", rows[n]) for n in "qkv"])
-        bias = None
-        if spec.qkv_bias:
-            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"])
+        qkv = _qkv(spec, take, p, rows, names, "weight")
+        bias = _qkv(spec, take, p, rows, names, "bias") if spec.qkv_bias else None
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
@@ -121,9 +163,9 @@ def _load(spec: ModelArch, take: Take, shard: TPShard | None, has_lm_head: bool
                 qkv_bias=bias,
                 o_proj=take(p + "self_attn.o_proj.weight", None, q),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight", mlp),
-                                   take(p + "mlp.up_proj.weight", mlp)]),
+                gate_up=_gate_up(spec, take, p, mlp, names),
                 down=take(p + "mlp.down_proj.weight", None, mlp),
+                extra={n: take(f"{p}{n}.weight") for n in names.extra},
             )
         )
     embed = take("embed_tokens.weight", vocab)

@@ -160,7 +160,7 @@ def test_a_worker_dead_before_joining_fails_the_start_at_once(tiny_llama: Path) 
                     reason="the Triton kernels on CPU need the interpreter (conftest sets it "
                            "without CUDA)")
 def test_tp2_on_the_fused_triton_forward_equals_tp1(tiny_llama: Path) -> None:
-    """The forward CUDA runs (fused_forward.py, Triton attention), here under Triton's
+    """The forward CUDA runs (model/layers/' fused path, Triton attention), here under Triton's
     interpreter on CPU: its all-reduces and logits gather give TP 1's tokens."""
     prompts = [list(range(3, 30)), [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

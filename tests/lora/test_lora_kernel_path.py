@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixserve.lora.peft_format import TARGETS, load_peft_adapter, target_parts
-from radixserve.model.arch import read_model_spec
+from radixserve.model.families.registry import read_model_spec
 from radixserve.model.lora_delta import LoRABatch
 from radixserve.model.lora_slots import LoRASlots
 from tests.lora.conftest import LoRASet

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from radixserve.config import ConfigError, LoRAConfig, LoRAModule
 from radixserve.lora.peft_format import LoRALoadError, load_peft_adapter
-from radixserve.model.arch import read_model_spec
+from radixserve.model.families.registry import read_model_spec
 from radixserve.model.lora_delta import LoRABatch
 from tests.lora.conftest import LoRASet
 from tests.lora_adapters import make_peft_adapter
@@ -83,7 +83,7 @@ def test_fused_qkv_adapter_equals_its_parts(lora_set: LoRASet, tmp_path: Path) -
         batch = LoRABatch.from_runs([(None, 1), (_load(folder, lora_set.base).layers, 4)])
         assert batch is not None
         y = torch.zeros(5, 128)  # q 64 + k 32 + v 32
-        batch.add_delta(1, "qkv", x, y)
+        batch.add_delta(1, "qkv_proj", x, y)
         assert not y[0].any()  # the base row gets no delta
         outs.append(y)
     torch.testing.assert_close(outs[0], outs[1])

@@ -1,4 +1,5 @@
-"""The fused-kernel forward (model/fused_forward.py) against the unfused ones.
+"""The fused-kernel forward (the layers' Triton path: families/base.py's CausalLM with a
+backend that attends over stored K/V) against the unfused ones.
 
 On CPU the fused kernels run under Triton's interpreter on a tiny model (2 layers, hidden 64):
 their logits over a prefill and a few decode steps must equal the default CPU path's (torch
@@ -20,10 +21,8 @@ from radixserve.attention.kv_quant import KVScale
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.kv_calibration import KVScales, calibrate
-from radixserve.model.arch import read_model_spec
-from radixserve.model.llama import LlamaModel
-from radixserve.model.rope import RotaryTable
-from radixserve.model.weights import load_weights
+from radixserve.model.families.base import CausalLM
+from radixserve.model.families.registry import load_model, read_model_spec
 from radixserve.types import Phase
 from tests.model.test_parity import hf_greedy, random_prompts
 from triton_kernels.testing import device_or_error
@@ -40,11 +39,9 @@ def runnable_kernels() -> None:
 
 
 def build(model_dir: Path, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-          fused: bool | None = None) -> LlamaModel:
-    spec = read_model_spec(model_dir)
-    weights = load_weights(model_dir, spec, dtype, device, show_progress=False)
-    rotary = RotaryTable(spec.rope, spec.head_dim, MAX_LEN, dtype, device)
-    return LlamaModel(spec, weights, rotary, backend, fused=fused)
+          fused: bool | None = None) -> CausalLM:
+    return load_model(model_dir, read_model_spec(model_dir), backend, MAX_LEN, dtype, device,
+                      fused=fused)
 
 
 def step_meta(phase: Phase, prefix_lens: list[int], extend_lens: list[int],
@@ -71,7 +68,7 @@ def step_meta(phase: Phase, prefix_lens: list[int], extend_lens: list[int],
         max_seq_len=max(seq_lens), max_extend_len=max(extend_lens), rows_cpu=tuple(rows))
 
 
-def greedy(model: LlamaModel, prompts: list[list[int]], steps: int,
+def greedy(model: CausalLM, prompts: list[list[int]], steps: int,
            kv: tuple[torch.dtype, KVScales] | None = None
            ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill every prompt in one ragged batch, then `steps` decode steps, argmax each time
@@ -114,7 +111,7 @@ def assert_paths_agree(model_dir: Path, seed: int, fmt: torch.dtype | None) -> N
                     torch.float32, CPU)
     fused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU)
     unfused = build(model_dir, TritonAttentionBackend(2), torch.float32, CPU, fused=False)
-    assert default.fused is None and unfused.fused is None and fused.fused is not None
+    assert not default.fused and not unfused.fused and fused.fused
     kv = None
     if fmt is not None:
         spec = default.spec
@@ -183,6 +180,6 @@ def test_fused_engine_matches_hf_in_fp32_on_cuda(tiny_llama: Path) -> None:
     prompts = random_prompts([1, 7, 33, 130], 250)
     llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_tokens=8192, device="cuda",
               attention_backend="triton")
-    assert llm.engine.runner.model.fused is not None, "CUDA + triton runs the fused kernels"
+    assert llm.engine.runner.model.fused, "CUDA + triton runs the fused kernels"
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in ours] == hf_greedy(tiny_llama, prompts, 16)

@@ -206,7 +206,7 @@ def test_host_block_sizes_are_tritons() -> None:
 
 @pytest.mark.usefixtures("runnable_kernels")
 def test_unchecked_calls_compute_the_same() -> None:
-    """check=False (fused_forward's layers after the first) skips only the checks."""
+    """check=False (the fused path's layers after the first) skips only the checks."""
     gen = torch.Generator().manual_seed(5)
     x, residual = wide_rows(3, 64, F32, gen), randn((3, 64), F32, gen)
     weight = randn((64,), F32, gen)

@@ -23,6 +23,7 @@ namespace radixserve_decode {
 struct Geometry {
   int64_t hq, hkv, d, sk, sv;  // query heads, KV heads, head_dim, slot strides of the caches
   float scale;
+  float softcap = 0.f;  // > 0: scores s become softcap * tanh(s / softcap) before the softmax
 };
 
 // Request b attends to slots[rows[b] * lmax + starts[b] ...] for lens[b] - starts[b] keys.
@@ -94,9 +95,18 @@ void with_format(at::ScalarType pool, Fn&& fn) {
   }
 }
 
+// Logit soft-capping (Gemma 2) of len scaled scores in place; softcap <= 0: none.
+inline void cap_scores(float* s, int64_t len, float softcap) {
+  if (softcap <= 0.f) return;
+  const float inv = 1.f / softcap;
+  for (int64_t t = 0; t < len; ++t) s[t] = softcap * std::tanh(s[t] * inv);
+}
+
 // Softmax of one head's scores in place (normalized: out needs no division); returns the lse.
 // exp's argument is clamped at -80 (e^-80 ~ 2e-35 next to the max's 1: nothing in fp32).
-inline float softmax(float* s, int64_t len) {
+// softcap > 0: the scores are soft-capped first (every decode kernel's one place for it).
+inline float softmax(float* s, int64_t len, float softcap = 0.f) {
+  cap_scores(s, len, softcap);
 #if defined(__AVX512F__)
   // len >= 1 (checked); no infinities: the files build with -ffast-math
   auto tail = [len](int64_t t) -> __mmask16 {

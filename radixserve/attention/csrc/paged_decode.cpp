@@ -9,6 +9,9 @@
 // [starts[b], seq_lens[b]) of table row rows[b]. Query head h reads KV head h / (Hq / Hkv).
 // Returns out (B, Hq, D) in q's dtype and lse (B, Hq) float32 (natural log of the softmax's
 // denominator, scores scaled), so that callers can merge with other partial attentions.
+// softcap > 0 (Gemma 2's logit soft-capping): each scaled score s is softcap * tanh(s / softcap)
+// before the softmax (and in the lse); 0: none. A sliding window is the caller's: it raises
+// starts[b] to seq_lens[b] - window.
 // An 8-bit pool (float8_e4m3fn / float8_e5m2) comes with k_scale, v_scale (Hkv,) float32: a
 // key is its stored value times k_scale of its head, a value likewise; paged_decode_fp8.cpp
 // reads such a pool (this file checks the arguments and dispatches).
@@ -106,7 +109,7 @@ void decode_one(const T* q, const T* k, const T* v, const Geometry& g, const int
   work.resize(g.hq * len + g.hq * d);
   float* sc = work.data();
   scores<D, T>(q, k, g, slots, len, sc + g.hq * len, sc);
-  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len);
+  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
   float* acc = sc + g.hq * len;
   std::fill(acc, acc + g.hq * d, 0.f);
   for (int64_t t = 0; t < len; ++t) {
@@ -128,7 +131,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                                                 const at::Tensor& rows, const at::Tensor& starts,
                                                 const at::Tensor& seq_lens, double scale,
                                                 const std::optional<at::Tensor>& k_scale,
-                                                const std::optional<at::Tensor>& v_scale) {
+                                                const std::optional<at::Tensor>& v_scale,
+                                                double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   const bool fp8 = is_fp8(k_cache.scalar_type());
@@ -159,7 +163,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
               "float32 or bfloat16 only");
   at::Tensor out = at::empty_like(qc);
   at::Tensor lse = at::empty({B, hq}, q.options().dtype(at::kFloat));
-  const Geometry geo{hq, hkv, d, k_cache.stride(0), v_cache.stride(0), static_cast<float>(scale)};
+  TORCH_CHECK(softcap >= 0.0, "softcap: > 0, or 0 for none");
+  const Geometry geo{hq, hkv, d, k_cache.stride(0), v_cache.stride(0), static_cast<float>(scale),
+                     static_cast<float>(softcap)};
   if (fp8) {
     const at::Tensor ks = k_scale->contiguous(), vs = v_scale->contiguous();
     TORCH_CHECK(ks.scalar_type() == at::kFloat && vs.scalar_type() == at::kFloat &&
@@ -202,7 +208,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_table, Tensor rows, "
       "Tensor starts, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> (Tensor, Tensor)");
+      "Tensor? v_scale=None, float softcap=0.0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("paged_decode", &paged_decode); }

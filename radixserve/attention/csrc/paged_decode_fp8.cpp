@@ -58,7 +58,7 @@ void decode_one_fp8(const T* q, const uint8_t* k, const uint8_t* v, const Geomet
       sc[h * len + t] = s;
     }
   }
-  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len);
+  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
   std::fill(acc, acc + g.hq * d, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     radixserve_fp8::row_to_float<F>(v + slots[t] * g.sv, row, rf);
@@ -133,7 +133,7 @@ void decode_one_fp8_blocked(const T* q, const uint8_t* k, const uint8_t* v, cons
     _mm512_mask_storeu_ps(sc + h * len + t0, static_cast<__mmask16>((1u << n) - 1),
                           sum16(dots));
   });
-  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len);
+  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
   std::fill(acc, acc + g.hq * D, 0.f);
   over_blocks(v, g.sv, [&](int64_t h, int64_t t0, int64_t n) {
     __m512 a[NV];

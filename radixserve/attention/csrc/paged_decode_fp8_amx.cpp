@@ -252,7 +252,9 @@ bool decode_fp8_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     const at::Tensor& k_scale, const at::Tensor& v_scale, const Geometry& g,
                     const Batch& batch, at::Tensor& out, at::Tensor& lse) {
 #if RS_FP8_AMX
-  if (q.scalar_type() != at::kBFloat16 || g.d % 64 != 0 || g.hq / g.hkv > 16 || !amx_usable())
+  // Soft-capped scores take decode_fp8's other paths (their softmax caps; this one's is fused).
+  if (q.scalar_type() != at::kBFloat16 || g.d % 64 != 0 || g.hq / g.hkv > 16 ||
+      g.softcap > 0.f || !amx_usable())
     return false;
   const Fp8Call<bf16_t> c(q, k_cache, v_cache, k_scale, v_scale, out, lse);
   with_format(k_cache.scalar_type(), [&](auto ftag) {

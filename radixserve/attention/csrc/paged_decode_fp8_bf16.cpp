@@ -153,7 +153,7 @@ void decode_one(const Fp8Call<bf16_t>& c, const Geometry& g, const Batch& batch,
     scores_block<D, F>(lut, c.k, g, c.k_scale, slots, len, t0, a);
   float* lse = c.lse_of(b);
   for (int64_t h = 0; h < g.hq; ++h) {
-    lse[h] = softmax(a.sc + h * len, len);
+    lse[h] = softmax(a.sc + h * len, len, g.softcap);
     probs_to_bf16(a.sc + h * len, len, lenp, a.pb + h * lenp);
   }
   std::fill(a.acc, a.acc + g.hq * D, 0.f);

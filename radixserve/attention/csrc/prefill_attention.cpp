@@ -13,6 +13,9 @@
 // float8_e5m2) comes with k_scale, v_scale (Hkv,) float32: its prefix rows are read in place
 // and converted as the kernel copies them into its blocks (prefill_common.h: KVRows), each
 // value its code times the scale rounded once to q's dtype, as kv_quant.dequantize gives.
+// window > 0 (a sliding window): query i sees keys [P + i - window + 1, P + i] only (the caller
+// passes only the prefix slots the chunk's first query can see); softcap > 0 (Gemma 2):
+// each scaled score s is softcap * tanh(s / softcap) before the softmax. 0: none.
 //
 // Scheme (flash attention, fp32 accumulation): per KV head, K is converted once into a
 // transposed fp32 matrix Kt (D, Lpad) and V into (Lpad, D); tasks are (KV head, block of BQ
@@ -85,13 +88,12 @@ void key_block(const float* qf, const float* kt, const float* vf, const Shape& s
       qk_rows<D, W>(qf + r * D, kt + k0 + c, sh.lpad, s + r * W + c);
   for (int64_t r = 0; r < rows; ++r) {
     // visible keys of this row in the block: up to key p + q0 + i inclusive
-    const int64_t vis = r < used ? std::min(kn, sh.p + q0 + r / sh.g + 1 - k0) : 0;
+    const int64_t query = sh.p + q0 + r / sh.g;
+    const int64_t vis = r < used ? std::min(kn, query + 1 - k0) : 0;
     float* sr = s + r * W;
-    if (vis <= 0) {  // nothing visible (padding rows, or a diagonal block past the query)
-      std::fill(sr, sr + W, 0.f);
-      continue;
-    }
-    const float alpha = softmax_row<W>(sr, vis, mrow[r], lrow[r]);
+    float alpha = 1.f;
+    // nothing visible: padding rows, a diagonal block past the query, keys before its window
+    if (!softmax_row_limited<W>(sh, sr, k0, query, vis, mrow[r], lrow[r], alpha)) continue;
     if (alpha != 1.f) {
       float* orow = o + r * D;
 #pragma omp simd
@@ -128,7 +130,7 @@ void attend_task(const T* q, int64_t sq0, int64_t sq1, const float* kt, const fl
   std::fill(lrow, lrow + rows, 0.f);
   const int64_t full = sh.p + q0;       // keys every query of the task sees
   const int64_t kend = sh.p + q0 + nq;  // keys the block's last query sees
-  int64_t k0 = 0;
+  int64_t k0 = first_key_block(sh, q0);
   for (; k0 + BIG <= full; k0 += BIG)
     key_block<D, BIG>(qf, kt, vf, sh, q0, used, rows, k0, s, o, mrow, lrow);
   for (; k0 < kend; k0 += BK) key_block<D, BK>(qf, kt, vf, sh, q0, used, rows, k0, s, o, mrow, lrow);
@@ -193,7 +195,9 @@ void dispatch_dtype(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> prefill_attention(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& prefix_slots, double scale,
-    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    double softcap, int64_t window) {
+  TORCH_CHECK(softcap >= 0.0 && window >= 0, "softcap, window: > 0, or 0 for none");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 3 &&
                   v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && k_cache.device().is_cpu(),
@@ -230,7 +234,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(
   for (int64_t t = 0; t < p; ++t)
     TORCH_CHECK(0 <= sp[t] && sp[t] < k_cache.size(0) && sp[t] < v_cache.size(0), "bad slot");
   const Shape sh{m, p, hq, hkv, hq / hkv, (p + m + BK - 1) / BK * BK, static_cast<float>(scale),
-                 fp8 ? ks.data_ptr<float>() : nullptr, fp8 ? vs.data_ptr<float>() : nullptr};
+                 fp8 ? ks.data_ptr<float>() : nullptr, fp8 ? vs.data_ptr<float>() : nullptr,
+                 window, static_cast<float>(softcap)};
   at::Tensor out = at::empty({m, hq, d}, q.options());
   at::Tensor lse = at::empty({m, hq}, q.options().dtype(at::kFloat));
   switch (d) {
@@ -247,8 +252,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_attention(
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
-      "Tensor prefix_slots, float scale, Tensor? k_scale=None, Tensor? v_scale=None) "
-      "-> (Tensor, Tensor)");
+      "Tensor prefix_slots, float scale, Tensor? k_scale=None, Tensor? v_scale=None, "
+      "float softcap=0.0, int window=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

@@ -89,12 +89,11 @@ void key_block_dot(const word* qb, const word* kp, const word* vp, const Shape& 
     for (int64_t c = 0; c < W; c += BK)
       qk_rows_dot<D, W>(qb + r * (D / 2), kp + k0 + c, sh.lpad, sh.scale, s + r * W + c);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t vis = r < used ? std::min(kn, sh.p + q0 + r / sh.g + 1 - k0) : 0;
+    const int64_t query = sh.p + q0 + r / sh.g;
+    const int64_t vis = r < used ? std::min(kn, query + 1 - k0) : 0;
     float* sr = s + r * W;
-    if (vis <= 0) {
-      std::fill(sr, sr + W, 0.f);
-    } else {
-      const float alpha = softmax_row<W>(sr, vis, mrow[r], lrow[r]);
+    float alpha = 1.f;
+    if (softmax_row_limited<W>(sh, sr, k0, query, vis, mrow[r], lrow[r], alpha)) {
       if (alpha != 1.f) {
         float* orow = o + r * D;
 #pragma omp simd
@@ -133,7 +132,7 @@ void attend_task_dot(const uint16_t* q, int64_t sq0, int64_t sq1, const word* kp
   std::fill(mrow, mrow + rows, NEG);
   std::fill(lrow, lrow + rows, 0.f);
   const int64_t full = sh.p + q0, kend = sh.p + q0 + nq;
-  int64_t k0 = 0;
+  int64_t k0 = first_key_block(sh, q0);
   for (; k0 + BIG <= full; k0 += BIG)
     key_block_dot<D, BIG>(qb, kp, vp, sh, q0, used, rows, k0, s, pb, o, mrow, lrow);
   for (; k0 < kend; k0 += BK)

@@ -94,7 +94,41 @@ struct Shape {
   float scale;
   // An 8-bit pool's scales (Hkv,) for the prefix rows; null when the caches are in q's dtype.
   const float *k_scale, *v_scale;
+  int64_t window = 0;   // > 0: query at key index i sees keys [i - window + 1, i] only
+  float softcap = 0.f;  // > 0: scores s become softcap * tanh(s / softcap) before the softmax
 };
+
+// The first key block (a multiple of BK) a task whose first query is chunk token q0 reads:
+// 0, or with a window the block holding that query's first visible key (later queries'
+// windows start later; keys before are never touched).
+inline int64_t first_key_block(const Shape& sh, int64_t q0) {
+  if (sh.window <= 0) return 0;
+  const int64_t lo = sh.p + q0 - sh.window + 1;
+  return lo > 0 ? lo / BK * BK : 0;
+}
+
+// A row's W scores s of the block from key k0, its keys [0, vis) visible causally, for a query
+// at key index `query`: soft-capped, the keys before its window masked, then folded into the
+// online softmax (softmax_row). Returns false (s zeroed, m and l untouched) where nothing of the
+// block is visible to it, else sets alpha, o's factor. The one place both prefill kernels apply
+// the window and the cap.
+template <int64_t W>
+inline bool softmax_row_limited(const Shape& sh, float* s, int64_t k0, int64_t query,
+                                int64_t vis, float& m, float& l, float& alpha) {
+  const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, query - sh.window + 1 - k0) : 0;
+  if (vis <= lo) {
+    std::fill(s, s + W, 0.f);
+    return false;
+  }
+  if (sh.softcap > 0.f) {
+    const float inv = 1.f / sh.softcap;
+    for (int64_t j = 0; j < W; ++j) s[j] = sh.softcap * std::tanh(s[j] * inv);
+  }
+  std::fill(s, s + lo, NEG);  // e^-80 each in the row's sum (its max's term is 1): nothing
+  alpha = softmax_row<W>(s, vis, m, l);
+  std::fill(s, s + lo, 0.f);
+  return true;
+}
 
 // One 8-bit row (d codes) -> T values: code value times the row's scale, rounded once to T (as
 // kv_quant.dequantize to q's dtype does). T: float, at::BFloat16, or bf16 bits (uint16_t).

@@ -1,0 +1,103 @@
+"""The family registry: config.json's `architectures[0]` (else `model_type`) to its family,
+and the one entry point that builds any family's model.
+
+Owns: the list of families (FAMILIES), the refusal of an unknown architecture (naming the
+supported ones), and build_model (linear method, TP, the fused choice, embedding and head).
+Does not know: any family's layer order or config fields.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.attention.base import AttentionBackend, StoredKVAttention
+from radixserve.model.arch import ModelArch
+from radixserve.model.families.base import CausalLM, head_and_embed, model_parts
+from radixserve.model.families.family import Family
+from radixserve.model.families.gemma import GEMMA2, GEMMA3_FAMILY
+from radixserve.model.families.llama import LLAMA, MISTRAL, QWEN2
+from radixserve.model.families.phi3 import PHI3
+from radixserve.model.families.qwen3 import QWEN3
+from radixserve.model.layers.linear import LoraHook, linear_method
+from radixserve.model.weights import ModelWeights
+from radixserve.model_source import ModelLoadError
+
+if TYPE_CHECKING:
+    from radixserve.model.tp_shard import TPShard
+    from radixserve.parallel.comm import TPComm
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_FAMILY, PHI3)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(a for f in FAMILIES for a in f.architectures)
+
+
+def family_of(architecture: str) -> Family:
+    for family in FAMILIES:
+        if architecture in family.architectures:
+            return family
+    raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(supported_architectures())}")
+
+
+def parse_config(cfg: dict[str, object]) -> ModelArch:
+    """The family's frozen arch for a parsed config.json."""
+    archs = cfg.get("architectures") or []
+    assert isinstance(archs, list)
+    arch = archs[0] if archs else None
+    if arch is None:
+        model_type = cfg.get("model_type", "")
+        arch = next((f.architectures[0] for f in FAMILIES if model_type in f.model_types), None)
+    family = family_of(str(arch))
+    return family.parse(str(arch), dict(cfg))
+
+
+def read_model_spec(hf_dir: Path) -> ModelArch:
+    return parse_config(json.loads((hf_dir / "config.json").read_text()))
+
+
+def _fused(backend: AttentionBackend, fused: bool | None) -> bool:
+    """The fused-kernel path where the backend attends over stored K/V (None: decide)."""
+    if fused is None:
+        return isinstance(backend, StoredKVAttention)
+    if fused and not isinstance(backend, StoredKVAttention):
+        raise ValueError(f"fused kernels need a backend with attend(), not {type(backend)}")
+    return fused
+
+
+def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBackend,
+                max_positions: int, quantization: str | None = None,
+                quantize_lm_head: bool = True, fused: bool | None = None,
+                tp: TPComm | None = None, shard: TPShard | None = None,
+                lora: LoraHook | None = None) -> CausalLM:
+    """The model of `spec`'s family. With `tp`: `spec` is the rank's own
+    (shard.local_arch()), the weights its slices. `fused`: None: the Triton fused kernels
+    where the backend supports them; False: the unfused order with any backend. `lora`: the
+    hook every projection carries (--enable-lora)."""
+    family = family_of(spec.architecture)
+    device, dtype = weights.embed.device, weights.embed.dtype
+    is_fused = _fused(backend, fused)
+    parts = model_parts(spec, linear_method(quantization, device), max_positions, dtype,
+                        device, is_fused, tp, lora)
+    layers = family.layers(parts, weights)
+    # NOTE: the loaded ModelWeights is not kept: its layer weights live on only in their
+    # (possibly prepacked) kernels, so the model holds one copy of each.
+    embed, head = head_and_embed(parts, weights, shard, quantize_lm_head,
+                                 family.head.embed_scale(spec), family.head.final_softcap(spec))
+    final_norm = parts.norm(weights.final_norm, family.head.gemma_final_norm)
+    return CausalLM(spec, embed, layers, final_norm, head, backend, is_fused)
+
+
+def load_model(hf_dir: Path, spec: ModelArch, backend: AttentionBackend, max_positions: int,
+               dtype: torch.dtype, device: torch.device, **kw: object) -> CausalLM:
+    """Weights read and the model built in one call (tests, benches)."""
+    from radixserve.model.weights import load_weights
+
+    weights = load_weights(hf_dir, spec, dtype, device, show_progress=False,
+                           names=family_of(spec.architecture).weight_names)
+    return build_model(spec, weights, backend, max_positions, **kw)  # type: ignore[arg-type]
