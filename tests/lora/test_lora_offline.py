@@ -6,6 +6,7 @@ nothing but its own requests."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,9 @@ from radixserve.engine.sampler import SampleResult
 from radixserve.ipc.messages import GenerateMsg
 from radixserve.sched.req import Batch
 from tests.lora.conftest import NUM_NEW, LoRASet
+from tests.lora_adapters import make_merged_model, make_peft_adapter
+from tests.model.test_parity import hf_greedy, random_prompts
+from tests.tiny_models import make_tiny_model
 
 ORDER = [None, "alpha", "beta", "gamma", "alpha", None, "gamma", "beta"]  # one per prompt
 
@@ -130,3 +134,19 @@ def test_a_loading_adapter_never_stalls_other_requests(
     while engine.has_work():
         tokens += [o.token_id for o in engine.step() if o.rid == "lora" and o.token_id is not None]
     assert tokens == lora_set.refs["alpha"][0][:4]
+
+
+def test_qwen2_family_with_qkv_bias(tmp_path: Path) -> None:
+    """Another family through the same hook: Qwen2 (q/k/v biases) with an adapter on q/k/v
+    and the MLP, mixed with the base model, equals HF on the merged weights."""
+    base = make_tiny_model(tmp_path / "qwen2", "qwen2")
+    adapter = make_peft_adapter(tmp_path / "ad", base, ("q_proj", "k_proj", "v_proj",
+                                                        "gate_proj", "down_proj"), seed=5)
+    merged = make_merged_model(base, adapter, tmp_path / "merged")
+    prompts = random_prompts([6, 13], 250, seed=3)
+    llm = LLM(model=str(base), dtype="float32", kv_cache_tokens=1024, enable_lora=True)
+    sp = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    lora = LoRARequest("q", 1, str(adapter))
+    outs = llm.generate(prompts, sp, lora_request=[lora, None])
+    assert outs[0].token_ids == hf_greedy(merged, prompts[:1], NUM_NEW)[0]
+    assert outs[1].token_ids == hf_greedy(base, prompts[1:], NUM_NEW)[0]
