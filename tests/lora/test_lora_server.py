@@ -58,6 +58,7 @@ def complete(srv: ServerProc, model: str, prompt: list[int]) -> tuple[list[int],
     with urllib.request.urlopen(req, timeout=120) as resp:
         lines = resp.read().decode().splitlines()
     events = [orjson.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert {e["model"] for e in events} == {model}  # the adapter's name, as vLLM answers
     ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
     return ids, events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -135,7 +135,7 @@ async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                              ) -> AsyncGenerator[dict[str, Any], None]:
     """Completion chunks, then (`with_usage`) a last event with no choices and the usage."""
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": state.model_name}
+            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name}
     usage = Usage(jobs)
     lp_builders: dict[int, CompletionLogprobs] = {}
     async with aclosing(chunks) as stream:
@@ -231,7 +231,7 @@ async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
     """Chat completion chunks, then (`with_usage`: stream_options.include_usage) a last event
     with no choices and the usage."""
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": state.model_name}
+            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name}
     usage = Usage(jobs)
     started: set[int] = set()
     tool_streams = {j.index: ChatToolStream(calls) for j in jobs} if calls else {}
@@ -289,8 +289,8 @@ async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
                         "logprobs": {"content": lps[i]} if want_lp else None,
                         "finish_reason": finish[i]})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": state.model_name, "choices": choices,
-            "usage": usage.body()}
+            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name,
+            "choices": choices, "usage": usage.body()}
 
 
 async def list_models(request: web.Request) -> web.Response:
