@@ -5,6 +5,8 @@ another; and a run-time load under a decode-heavy run (its steps' times).
     python -m bench.lora                      # smollm2-135m, fp32, rank 8, median of 3
     python -m bench.lora --runs 5 --rank 16
 
+Base: an engine without --enable-lora (and base-only requests on the LoRA engine, which runs
+gate/up as one GEMM instead of oneDNN's epilogue-fused halves).
 Workload: 32 prompts (~60 tokens each) x 32 greedy output tokens, all submitted at once;
 output tok/s = 32 * 32 / wall time of the generate call. Each run uses fresh cache salts (no
 prefix hits). LoRA: 4 prompts per adapter, adapters on all 7 projections. Merged models:
@@ -73,17 +75,26 @@ def timed(llm: LLM, texts: list[str], loras: list[LoRARequest | None] | None) ->
     return time.perf_counter() - t0
 
 
-def throughput(llm: LLM, adapters: list[LoRARequest], runs: int) -> dict[str, float]:
+def throughput(llm: LLM, plain: LLM, adapters: list[LoRARequest], runs: int
+               ) -> dict[str, float]:
+    """Output tok/s: `base` on an engine without --enable-lora (the base model as served
+    today), `base_lora_engine` base-only on the LoRA engine, `lora` the 8 adapters mixed,
+    `merged` the 8 merged models one after another (on the plain engine)."""
     texts = prompts(BATCH)
     per = BATCH // NUM_ADAPTERS
     mixed = [adapters[i // per] for i in range(BATCH)]
     timed(llm, texts, mixed)  # warm-up: loads the adapters, first-step costs
-    times: dict[str, list[float]] = {"base": [], "lora": [], "merged": []}
-    for _ in range(runs):
-        times["base"].append(timed(llm, texts, None))
+    timed(plain, texts, None)
+    times: dict[str, list[float]] = {"base": [], "base_lora_engine": [], "lora": [],
+                                     "merged": []}
+    for run in range(runs):
+        times["base"].append(timed(plain, texts, None))
+        times["base_lora_engine"].append(timed(llm, texts, None))
         times["lora"].append(timed(llm, texts, mixed))
-        times["merged"].append(sum(timed(llm, texts[i * per:(i + 1) * per], None)
+        times["merged"].append(sum(timed(plain, texts[i * per:(i + 1) * per], None)
                                    for i in range(NUM_ADAPTERS)))
+        print(f"run {run}: seconds " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in times.items()),
+              flush=True)
     return {k: BATCH * NEW / statistics.median(v) for k, v in times.items()}
 
 
@@ -117,16 +128,19 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(model=args.model, dtype="float32", enable_lora=True, max_loras=NUM_ADAPTERS,
               max_cpu_loras=NUM_ADAPTERS + 1, max_lora_rank=args.rank, kv_cache_tokens=16384)
+    plain = LLM(model=args.model, dtype="float32", kv_cache_tokens=16384)
     hf_dir = llm.engine.runner.resolved.hf_dir
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{i}", i + 1, str(make_adapter(Path(tmp) / f"a{i}", hf_dir,
                                                                  args.rank, i)))
                     for i in range(NUM_ADAPTERS + 1)]
-        tps = throughput(llm, adapters[:NUM_ADAPTERS], args.runs)
+        tps = throughput(llm, plain, adapters[:NUM_ADAPTERS], args.runs)
         print(f"output tok/s (median of {args.runs}, {BATCH} x {NEW} tokens, rank {args.rank}):"
-              f" base {tps['base']:.1f}, {NUM_ADAPTERS} adapters mixed {tps['lora']:.1f} "
+              f" base {tps['base']:.1f} (on the LoRA engine {tps['base_lora_engine']:.1f}), "
+              f"{NUM_ADAPTERS} adapters mixed {tps['lora']:.1f} "
               f"({tps['lora'] / tps['base']:.2f}x base), {NUM_ADAPTERS} merged models one "
-              f"after another {tps['merged']:.1f} ({tps['lora'] / tps['merged']:.2f}x of it)")
+              f"after another {tps['merged']:.1f} ({tps['lora'] / tps['merged']:.2f}x of it)",
+              flush=True)
         load = load_under_load(llm, adapters[NUM_ADAPTERS])
         print(f"load under load: median step {load['median_step_s'] * 1e3:.1f} ms, longest "
               f"step while loading {load['max_step_during_load_s'] * 1e3:.1f} ms "
