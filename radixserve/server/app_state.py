@@ -77,6 +77,9 @@ class ServerState:
         lora = cfg.engine.lora
         self.loras: dict[str, str] = {} if lora is None else {m.name: m.path
                                                               for m in lora.modules}
+        # vLLM's /v1/models `parent` of an adapter given with a JSON `base_model_name`
+        self.lora_parents: dict[str, str] = {} if lora is None else {
+            m.name: m.base_model_name for m in lora.modules if m.base_model_name}
 
     @property
     def ready(self) -> bool:

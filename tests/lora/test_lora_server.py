@@ -69,7 +69,7 @@ def test_models_lists_adapters_with_parent(server: ServerProc, lora_set: LoRASet
     base, *adapters = body["data"]
     assert {a["id"]: (a["parent"], a["root"]) for a in adapters} == {
         "alpha": (base["id"], str(lora_set.adapters["alpha"])),
-        "beta": (base["id"], str(lora_set.adapters["beta"]))}
+        "beta": ("tiny", str(lora_set.adapters["beta"]))}  # its JSON's base_model_name
 
 
 def test_concurrent_adapters_and_base_equal_hf(server: ServerProc, lora_set: LoRASet) -> None:

@@ -298,9 +298,11 @@ async def list_models(request: web.Request) -> web.Response:
     card = {"id": state.model_name, "object": "model", "created": int(state.started),
             "owned_by": "radixserve", "root": state.cfg.engine.model,
             "max_model_len": state.max_model_len or None}
-    # vLLM's shape: each LoRA adapter is a model whose `parent` is the base model's id.
+    # vLLM's shape: each LoRA adapter is a model whose `parent` is the base model's id (or
+    # the `base_model_name` its --lora-modules JSON gave).
     adapters = [{"id": name, "object": "model", "created": int(state.started),
-                 "owned_by": "radixserve", "root": path, "parent": state.model_name,
+                 "owned_by": "radixserve", "root": path,
+                 "parent": state.lora_parents.get(name, state.model_name),
                  "max_model_len": state.max_model_len or None}
                 for name, path in state.loras.items()]
     return json_response({"object": "list", "data": [card, *adapters]})
