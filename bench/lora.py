@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ def prompts(n: int) -> list[str]:
             f"matters to engineers who build large distributed systems." for i in range(n)]
 
 
-def timed(llm: LLM, texts: list[str], loras: list[LoRARequest | None] | None) -> float:
+def timed(llm: LLM, texts: list[str], loras: Sequence[LoRARequest | None] | None) -> float:
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     salt = uuid.uuid4().hex  # no prefix hits across runs
     t0 = time.perf_counter()

@@ -78,8 +78,10 @@ class LoRABatch:
             for s, slot in zip(self.segments, seg_slots, strict=True):
                 per_token[s.start : s.end] = [slot] * (s.end - s.start)
             token_slot = torch.tensor(per_token, dtype=torch.int32, device=dev)
-        k = KernelSegments(slots, *(torch.tensor(v, dtype=torch.int32, device=dev)
-                                    for v in (starts, lens, seg_slots)), token_slot, max(lens))
+        def i32(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int32, device=dev)
+
+        k = KernelSegments(slots, i32(starts), i32(lens), i32(seg_slots), token_slot, max(lens))
         return LoRABatch(self.segments, k)
 
     @staticmethod
