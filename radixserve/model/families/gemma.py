@@ -141,4 +141,4 @@ GEMMA2 = Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), parse_gemma, gemm
                 WeightNames(extra=NORMS), _HEAD, Features(sliding_window=True))
 GEMMA3_FAMILY = Family("gemma3", GEMMA3, ("gemma3_text",), parse_gemma, gemma_layers,
                        WeightNames(extra=(*NORMS, "self_attn.q_norm", "self_attn.k_norm")),
-                       _HEAD, Features(sliding_window=True, gguf=True))
+                       _HEAD, Features(sliding_window=True))

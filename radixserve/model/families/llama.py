@@ -80,8 +80,8 @@ def parse_llama(arch: str, cfg: dict[str, Any]) -> ModelArch:
 
 
 LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), parse_llama, llama_layers,
-               features=Features(gguf=True))
+               features=Features(gguf="tested"))
 MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), parse_llama, llama_layers,
                  features=Features(sliding_window=True))
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), parse_llama, llama_layers,
-               features=Features(sliding_window=True, gguf=True))
+               features=Features(sliding_window=True))
