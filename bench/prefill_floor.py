@@ -22,6 +22,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,7 +54,8 @@ class Clock:
 
 
 class _TimedLinear:
-    """Stands in for a Linear / GatedMLP: the same call forms, timed under `linear`."""
+    """Stands in for a linear kernel (or a packed MLP's activation GEMMs): the same call
+    forms, timed under `linear`."""
 
     def __init__(self, inner: Any, clock: Clock) -> None:
         self.inner = inner
@@ -68,10 +70,13 @@ def instrument(llm: LLM, clock: Clock) -> None:
     engine = llm.engine
     runner, sched, model = engine.runner, engine.scheduler, engine.runner.model
     for layer in model.layers:
-        layer.qkv = _TimedLinear(layer.qkv, clock)  # type: ignore[assignment]
-        layer.o_proj = _TimedLinear(layer.o_proj, clock)  # type: ignore[assignment]
-        layer.mlp = _TimedLinear(layer.mlp, clock)  # type: ignore[assignment]
-    model.lm_head = _TimedLinear(model.lm_head, clock)  # type: ignore[assignment]
+        lay: Any = layer  # a Llama-order layer (SmolLM2): qkv, o_proj, mlp
+        for lin in (lay.qkv, lay.o_proj, lay.mlp.down, lay.mlp.gate_up):
+            if lin is not None:
+                lin.kernel = _TimedLinear(lin.kernel, clock)
+        if lay.mlp.packed is not None:  # gate and up as two GEMMs with fused epilogues
+            lay.mlp.activation = _TimedLinear(lay.mlp.activation, clock)
+    model.lm_head.kernel = _TimedLinear(model.lm_head.kernel, clock)  # type: ignore[assignment]
     model.backend.forward = clock.wrap("attention", model.backend.forward)  # type: ignore[method-assign]
     sched.schedule = clock.wrap("schedule", sched.schedule)  # type: ignore[method-assign]
     sched.process_outputs = clock.wrap("process", sched.process_outputs)  # type: ignore[method-assign]
@@ -109,15 +114,22 @@ def replay_linears(model: Any, dtype: torch.dtype, tokens: int, rows: int
     """(wall, CPU) seconds of the model's own linear layers (the same objects: same kernels,
     same weight layout) over `tokens` rows, and the LM head over `rows`."""
     x = torch.randn(tokens, model.spec.hidden_size, dtype=dtype)
-    a = torch.randn(tokens, model.q_size, dtype=dtype)
+    a = torch.randn(tokens, model.spec.num_heads * model.spec.head_dim, dtype=dtype)
     head_in = torch.randn(rows, model.spec.hidden_size, dtype=dtype)
+    unfused = SimpleNamespace(fused=False)  # what GatedMLP.activation reads of a context
     with torch.inference_mode():
         t, c = time.perf_counter(), time.process_time()
         for layer in model.layers:
-            _inner(layer.qkv)(x)
-            h = _inner(layer.o_proj).add_to(x, a)
-            _inner(layer.mlp)(x, h)
-        _inner(model.lm_head)(head_in)
+            mlp = layer.mlp
+            _inner(layer.qkv.kernel)(x)
+            h = _inner(layer.o_proj.kernel).add_to(x, a)
+            if mlp.packed is not None:
+                act = _inner(mlp.activation)(unfused, x)
+            else:
+                gate, up = _inner(mlp.gate_up.kernel)(x).chunk(2, dim=-1)
+                act = torch.nn.functional.silu(gate) * up
+            _inner(mlp.down.kernel).add_to(h, act)
+        _inner(model.lm_head.kernel)(head_in)
         return time.perf_counter() - t, time.process_time() - c
 
 

@@ -58,7 +58,7 @@ def load(name: str, model: str) -> LLM:
     llm = LLM(model, kv_cache_tokens=6144, max_model_len=4096, **kwargs)  # type: ignore[arg-type]
     m = llm.engine.runner.model
     if float_head:  # the LM head in the activation dtype, the layers int8
-        m.lm_head = make_linear(m.embed, None, None)
+        m.lm_head.kernel = make_linear(m.embed, None, None)
     return llm
 
 

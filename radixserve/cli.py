@@ -27,11 +27,14 @@ from radixserve.config import (
     ConfigError,
     EngineConfig,
     KVEventsConfig,
+    LoRAConfig,
+    LoRAModule,
     ServerConfig,
     kv_events_config_from,
 )
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the load/unload routes
 
 # (flag, type, config field, help); every one optional, default from config.py.
 _ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
@@ -167,7 +170,37 @@ def build_parser() -> argparse.ArgumentParser:
                             "asks for more (vLLM's default)")
     serve.add_argument("--restart-engine", action="store_true", default=None,
                        help="restart a dead engine process (with backoff) instead of exiting 1")
+    _add_lora_flags(serve)
     return parser
+
+
+def _add_lora_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--enable-lora", action="store_true", default=False,
+                       help="serve LoRA adapters: a request names one in `model`")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help='adapters (PEFT folders): name=path, or JSON {"name": ..., '
+                            '"path": ..., "base_model_name": ...}')
+    serve.add_argument("--max-loras", type=int, default=None,
+                       help="distinct adapters in one batch (default 1)")
+    serve.add_argument("--max-lora-rank", type=int, default=None,
+                       help="highest adapter rank accepted (default 16)")
+    serve.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept loaded, least recently used dropped (default: "
+                            "--max-loras)")
+
+
+def _lora_config(args: argparse.Namespace, environ: dict[str, str]) -> LoRAConfig | None:
+    """--enable-lora and its flags; the runtime routes as vLLM enables them (environment)."""
+    given = {k: getattr(args, k) for k in ("max_loras", "max_lora_rank", "max_cpu_loras")
+             if getattr(args, k) is not None}
+    if not args.enable_lora:
+        if given or args.lora_modules:
+            raise ConfigError("--lora-modules / --max-loras / --max-lora-rank / "
+                              "--max-cpu-loras need --enable-lora")
+        return None
+    runtime = environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+    modules = tuple(LoRAModule.parse(m) for m in args.lora_modules or ())
+    return LoRAConfig(modules=modules, allow_runtime_updates=runtime, **given)
 
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
@@ -184,6 +217,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         "tensor_parallel_size", "enable_expert_parallel", "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
         "structured_outputs_allow_additional_properties", "enforce_eager"]
     engine_kwargs = given(engine_names)
+    engine_kwargs["lora"] = _lora_config(args, environ)
     kv_zmq = None
     if args.kv_events_config is not None:
         kv_zmq = parse_kv_events_config(args.kv_events_config)

@@ -21,10 +21,13 @@ from radixserve.api.tools.stream import tool_message
 from radixserve.config import EngineConfig, kv_events_config_from
 from radixserve.engine.engine import Engine
 from radixserve.ipc.messages import GenerateMsg
+from radixserve.lora.namespace import check_client_salt
+from radixserve.lora.offline import lora_per_prompt, pop_lora_config
 from radixserve.types import InvalidRequestError, SamplingParams, TemplateOptions, TokenLogprobs
 
 if TYPE_CHECKING:
     from radixserve.kv_events.zmq_stream import OfflineKVEvents
+    from radixserve.lora.request import LoRARequest
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -70,7 +73,8 @@ class LLM:
     `engine_kwargs` are EngineConfig fields (dtype, kv_cache_tokens, page_size, ...).
     `kv_events_config`: vLLM's KV-event config (a dict, its JSON, or a KVEventsConfig):
     block events over ZMQ as `radixserve serve --kv-events-config` publishes them; `close()`
-    releases the sockets.
+    releases the sockets. vLLM's `enable_lora`, `max_loras`, `max_lora_rank`, `max_cpu_loras`
+    turn on multi-LoRA serving (generate's `lora_request`).
     """
 
     def __init__(self, model: str = "smollm2-135m", show_progress: bool = False,
@@ -78,6 +82,7 @@ class LLM:
         kv_cfg = None if kv_events_config is None else kv_events_config_from(kv_events_config)
         if kv_cfg is not None and kv_cfg.publishes:
             engine_kwargs["enable_kv_events"] = True
+        engine_kwargs["lora"] = pop_lora_config(engine_kwargs)
         self.engine = Engine(EngineConfig(model=model, **engine_kwargs), show_progress)
         from radixserve.tokenizer import load_tokenizer
 
@@ -108,13 +113,15 @@ class LLM:
         *,
         use_tqdm: bool = False,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (one continuous batch) and run until all finish.
 
         `prompts`: one string, a list of strings, or a list of token-id lists.
         `sampling_params` (vLLM's name; `params` is the older spelling), `cache_salt` and
         `priority` (lower = more important): one for all, or one per prompt (a length mismatch
-        raises ValueError). `use_tqdm`: a progress bar of finished prompts.
+        raises ValueError). `use_tqdm`: a progress bar of finished prompts. `lora_request`: a
+        LoRARequest (or None, the base model) for all prompts or one per prompt.
         """
         from radixserve.tokenizer import encode_prompt
 
@@ -125,20 +132,25 @@ class LLM:
                                   SamplingParams, "params")
         salts = _per_prompt(cache_salt, n, str, "cache_salt")
         priorities = _per_prompt(priority, n, int, "priority")
+        loras = lora_per_prompt(lora_request, n, self.engine.lora is not None)
+        for salt in salts:
+            check_client_salt(salt)  # the adapters' namespaces are the engine's alone
         for p in params_list:
             if p.constraint is not None:
                 self._check(p.constraint, "constraint")
         results: dict[str, RequestOutput] = {}  # every sequence, by engine request id
         firsts: list[RequestOutput] = []  # sequence 0 of each prompt, in order
         try:
-            for prompt, p, salt, prio in zip(prompt_list, params_list, salts, priorities,
-                                             strict=True):
+            for prompt, p, salt, prio, lora in zip(prompt_list, params_list, salts, priorities,
+                                                   loras, strict=True):
                 ids = (encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str)
                        else [int(t) for t in prompt])
                 for i in range(p.n):  # the shared prompt is computed once (radix cache)
                     rid = f"offline-{next(self._ids)}"
-                    self.engine.add_request(GenerateMsg(rid, ids, _sequence_params(p, i), salt,
-                                                        prio))
+                    self.engine.add_request(GenerateMsg(
+                        rid, ids, _sequence_params(p, i), salt, prio,
+                        lora_name=None if lora is None else lora.lora_name,
+                        lora_path=None if lora is None else lora.lora_path))
                     out = results[rid] = RequestOutput(rid, ids, index=i)
                     if i == 0:
                         firsts.append(out)

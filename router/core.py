@@ -33,6 +33,8 @@ from router.routing.route_key import (
     approx_hashes,
     encoding_chars,
     extract_prompt,
+    model_of,
+    route_salts,
     salt_for,
     token_chains,
 )
@@ -113,10 +115,12 @@ class Router:
             return RouteKey(())
         prompt = extract_prompt(kind, body)
         salt = salt_for(authorization, self.cfg.salt_by_api_key)
-        approx = approx_hashes(prompt, salt, self.cfg.block_chars, self.cfg.kv_block_size)
+        # The adapter (`model`) is part of the key (see route_key's docstring)
+        salts, approx_salt = route_salts(salt, model_of(body))
+        approx = approx_hashes(prompt, approx_salt, self.cfg.block_chars,
+                               self.cfg.kv_block_size)
         if self.precise is None:
             return RouteKey(tuple(approx))
-        salts = (salt,) if not salt else (salt, "")  # see route_key's docstring
         bs, algo = self.cfg.kv_block_size, self.cfg.prefix_caching_hash_algo
         if encoding_chars(prompt) > INLINE_ENCODE_CHARS:
             # A tokenizer run on a long prompt would stall every other request on the loop.

@@ -179,3 +179,17 @@ def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     y = y * topk_weights.reshape(-1, 1).to(x.dtype)
     y = torch.where(held.unsqueeze(1), y, torch.zeros_like(y))
     return y.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def lora_ref(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor,
+             token_slot: torch.Tensor) -> torch.Tensor:
+    """y + (x @ A[slot].T) @ B[slot].T per token (slot -1: y unchanged), in fp32, rounded to
+    y's dtype once: what lora_shrink followed by lora_expand compute. x: (T, K),
+    a_stack: (S, R, K), b_stack: (S, N, R), y: (T, N), token_slot: (T,)."""
+    out = y.clone()
+    for tok, slot in enumerate(token_slot.tolist()):
+        if slot < 0:
+            continue
+        t = x[tok].float() @ a_stack[slot].float().T  # (R,)
+        out[tok] = (y[tok].float() + b_stack[slot].float() @ t).to(y.dtype)  # (N,)
+    return out

@@ -50,6 +50,7 @@ class ChoiceJob:
     # The last N prompt ids are this choice's own earlier output (native
     # `continue_output_tokens`): the detokenizer and stop matcher replay them.
     num_continued: int = 0
+    lora_name: str | None = None  # the LoRA adapter `model` named (None: the base model)
 
 
 @dataclass(frozen=True)

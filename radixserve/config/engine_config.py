@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.config.lora_config import LoRAConfig
 from radixserve.config.parsing import ConfigError, parse_byte_size
 from radixserve.config.speculative_config import SpeculativeConfig
 
@@ -107,6 +108,8 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous (several nodes)
+    # Multi-LoRA serving (--enable-lora and its flags); None: off.
+    lora: LoRAConfig | None = None
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -182,6 +185,8 @@ class EngineConfig:
             raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's node)")
         if tp == 1:
             return
+        if self.lora is not None:
+            raise ConfigError("--enable-lora is not supported with tensor_parallel_size > 1 yet")
         if self.kv_cache_dtype != "auto":
             raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with "
                               "tensor_parallel_size > 1 yet (its scales are per KV head of "

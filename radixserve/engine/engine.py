@@ -19,6 +19,7 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
+from radixserve.engine.lora_calls import LoRACalls
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.pin_calls import PinCalls
 from radixserve.engine.tiers_setup import build_tiers, pool_medium
@@ -28,8 +29,12 @@ from radixserve.ipc.messages import (
     CacheCallMsg,
     CallResultMsg,
     GenerateMsg,
+    LoadLoRAMsg,
+    UnloadLoRAMsg,
 )
+from radixserve.lora.manager import LoRAManager
 from radixserve.model.layers.moe_spec import moe_info
+from radixserve.sched.lora_gate import LoRAGate
 from radixserve.sched.req import Batch
 from radixserve.sched.scheduler import Scheduler
 from radixserve.types import Phase, TokenOutput
@@ -79,9 +84,15 @@ class Engine:
         self.grammars = GrammarCompiler(functools.partial(
             _grammar_backend, r.resolved.hf_dir, r.spec.vocab_size, r.eos_token_ids,
             cfg.structured_outputs_allow_additional_properties))
+        # LoRA adapters: read off the step by the manager's worker thread.
+        self.lora = None if cfg.lora is None else LoRAManager(cfg.lora, r.spec, r.dtype,
+                                                              r.device)
+        gate = None if self.lora is None or cfg.lora is None else LoRAGate(
+            self.lora, cfg.lora.max_loras)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, r.max_model_len,
                                    r.spec.vocab_size, r.eos_token_ids, self.grammars,
-                                   self.tiers, cfg.speculative_config)
+                                   self.tiers, cfg.speculative_config, gate)
+        self.lora_calls = LoRACalls(self.lora)
         self.timings: dict[str, RequestTiming] = {}  # rid -> its engine timings
         if self.scheduler.tier_loads is not None:
             self.scheduler.tier_loads.on_load = self._note_load
@@ -115,17 +126,20 @@ class Engine:
             "tp_worker_pids": [] if r.tp_lead is None else r.tp_lead.pids,
             "moe": moe_info(r.spec, self.cfg.tensor_parallel_size,
                             self.cfg.enable_expert_parallel),
+            "enable_lora": self.lora is not None,
         }
 
     def add_request(self, msg: GenerateMsg) -> None:
+        if msg.lora_name is not None and msg.lora_path and self.lora is not None:
+            self.lora.register(msg.lora_name, msg.lora_path)  # an offline LoRARequest
         self.scheduler.add(msg.rid, msg.prompt_ids, msg.params, msg.cache_salt, msg.priority,
-                           msg.prediction_ids)
+                           msg.prediction_ids, msg.lora_name)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.lora_calls.busy()
 
     def step(self) -> list[TokenOutput]:
         batch = self.scheduler.schedule()
@@ -136,6 +150,8 @@ class Engine:
                 loads = self.scheduler.tier_loads
                 assert loads is not None
                 loads.wait_any(GRAMMAR_WAIT_S)
+            elif self.lora is not None and self.lora.busy():
+                self.lora.wait_any(GRAMMAR_WAIT_S)  # adapters loading, nothing else to run
             outputs = self.scheduler.drain_aborted()
         else:
             t0 = time.perf_counter()
@@ -144,6 +160,7 @@ class Engine:
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
             self.scheduler.spec.observe_step(batch, outputs, time.perf_counter() - t0)
         outputs = self.pin_calls.client_outputs(outputs)
+        self.lora_calls.poll()
         if self.tiers is not None:
             self.tiers.end_step()  # the step's tier work joins the step-wait histogram
         return outputs
@@ -182,14 +199,19 @@ class Engine:
             self.tiers.close()
             self.tiers = None
         self.runner.close()  # the tensor-parallel workers, if any
+        if self.lora is not None:
+            self.lora.close()
 
     # ---- pinned prefixes (the calls of /cache/pin): engine/pin_calls.py answers them ----
 
     def call(self, msg: CacheCallMsg) -> None:
-        self.pin_calls.call(msg)
+        if isinstance(msg, (LoadLoRAMsg, UnloadLoRAMsg)):
+            self.lora_calls.call(msg)
+        else:
+            self.pin_calls.call(msg)
 
     def drain_replies(self) -> list[CallResultMsg]:
-        return self.pin_calls.drain_replies()
+        return self.pin_calls.drain_replies() + self.lora_calls.drain_replies()
 
     def drain_cache_events(self) -> list[CacheEvent]:
         if self.tiers is not None and self.cfg.enable_kv_events:

@@ -35,9 +35,11 @@ from radixserve.ipc.messages import (
     FlushCacheResultMsg,
     GenerateMsg,
     ListPinsMsg,
+    LoadLoRAMsg,
     PinMsg,
     ShutdownMsg,
     TokenBatchMsg,
+    UnloadLoRAMsg,
     UnpinMsg,
 )
 from radixserve.types import InvalidRequestError, TokenOutput
@@ -89,7 +91,7 @@ class EngineLoop:
         elif isinstance(msg, FlushCacheMsg):
             self._send(FlushCacheResultMsg(self.engine.flush_cache(msg.include_pins)))
             self.send_stats(force=True)
-        elif isinstance(msg, (PinMsg, UnpinMsg, ListPinsMsg)):
+        elif isinstance(msg, (PinMsg, UnpinMsg, ListPinsMsg, LoadLoRAMsg, UnloadLoRAMsg)):
             self.engine.call(msg)
             self._send_replies()
             self.send_stats(force=True)

@@ -25,6 +25,7 @@ from radixserve.cache.kv_pool import KVPool, KVPoolSize, bytes_per_token
 from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.cuda_graph import CudaGraphRunner, start_graphs
 from radixserve.engine.decode_groups import DecodeFixed, shared_prefixes
+from radixserve.engine.lora_step import lora_batch, lora_slots
 from radixserve.engine.sampler import Sampler, SampleResult
 from radixserve.engine.step_inputs import StepInputs, back_writes, write_slot_table
 from radixserve.engine.tp_lead import TPLead, start_tp
@@ -32,6 +33,7 @@ from radixserve.engine.tp_ranks import TPRank
 from radixserve.model.arch import ModelArch
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.families.registry import build_model, family_of, read_model_spec
+from radixserve.model.lora_delta import StepLoRA
 from radixserve.model.quantization.config import read_quant_config, resolve_quantization
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
@@ -130,13 +132,17 @@ class ModelRunner:
         if self.cpu_kernels is not None:
             logger.info("CPU kernels: %s", self.cpu_kernels)
         model_spec = self.spec if shard is None else shard.local_arch()  # this rank's heads
+        # --enable-lora: every projection carries the hook that adds a step's adapter deltas
+        self.lora_hook = None if cfg.lora is None else StepLoRA()
         self.model = build_model(model_spec, weights, backend, self.max_model_len,
                                  online_quant, tp=self.tp, shard=shard,
-                                 checkpoint_quant=self.quant_config)
+                                 checkpoint_quant=self.quant_config, lora=self.lora_hook)
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),
                     f", {self.quantization}" if self.quantization else "")
+        # CUDA: the adapters of a step in device stacks for the Triton kernels (CPU: GEMMs).
+        self.lora_slots = lora_slots(cfg, self.spec, self.dtype, self.device)
         self.kv_cache_dtype = cfg.kv_cache_dtype
         kv_dtype = storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.pool = KVPool(self._pool_size(cfg, kv_dtype, model_spec.num_kv_heads),
@@ -274,6 +280,7 @@ class ModelRunner:
             meta=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             table_back=table_back,
+            lora=lora_batch(reqs, extend_lens, len(ids), False, self.lora_slots),
         )
 
     def _prepare_decode(self, batch: Batch) -> StepInputs:
@@ -306,13 +313,16 @@ class ModelRunner:
         table_back = back_writes(back, dev)
         write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
-                          fixed.arange, table_back)
+                          fixed.arange, table_back,
+                          lora_batch(reqs, fixed.ones_cpu, len(ids), True, self.lora_slots))
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
-        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        # Steps with adapter rows run eagerly (the graphs hold the base model's forward).
+        key = (self.graphs.key_for(batch) if self.graphs is not None and inputs.lora is None
+               else None)
         if self.tp_lead is not None:
             logits = self.tp_lead.forward(inputs, self.forward_eager)
         elif self.graphs is not None and key is not None:
@@ -330,8 +340,14 @@ class ModelRunner:
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
         """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""
-        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.pool.k,
-                                  self.pool.v, inputs.logit_rows, self.kv_scales)
+        if self.lora_hook is None:
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                      self.pool.k, self.pool.v, inputs.logit_rows,
+                                      self.kv_scales)
+        with self.lora_hook.using(inputs.lora):
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                      self.pool.k, self.pool.v, inputs.logit_rows,
+                                      self.kv_scales)
 
     def tp_stats(self) -> dict[str, Any]:
         """Tensor parallelism's figures (empty without it); raises TPFailedError once a rank
@@ -343,3 +359,4 @@ class ModelRunner:
         if self.tp_lead is not None:
             self.tp_lead.close()
             self.tp_lead = None
+

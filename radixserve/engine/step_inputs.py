@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.attention.base import AttentionMetadata
+from radixserve.model.lora_delta import LoRABatch
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class StepInputs:
     # The older table entries this step writes (a new row, adopted tree pages): rows,
     # positions and slots; None when there are none.
     table_back: torch.Tensor | None = None  # (3, W) int64
+    lora: LoRABatch | None = None  # the rows' adapter segments; None: base model only
 
 
 def back_writes(back: list[tuple[int, int, list[int]]], device: torch.device

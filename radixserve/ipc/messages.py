@@ -21,6 +21,10 @@ class GenerateMsg:
     priority: int = 0  # lower = more important (vLLM's convention)
     # OpenAI's `prediction`, tokenized: a draft source for this request (speculative decoding)
     prediction_ids: list[int] | None = None
+    # The LoRA adapter it runs under (None: the base model); the path where the engine does
+    # not know the name yet (an offline LoRARequest).
+    lora_name: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,24 @@ class CallResultMsg:
     status: int = 200
 
 
-CacheCallMsg = Union[PinMsg, UnpinMsg, ListPinsMsg]
+@dataclass(frozen=True)
+class LoadLoRAMsg:
+    """POST /v1/load_lora_adapter: read the adapter (off the step), reply when loaded."""
+
+    call_id: str
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoRAMsg:
+    """POST /v1/unload_lora_adapter: forget the adapter (running requests finish with it)."""
+
+    call_id: str
+    lora_name: str
+
+
+CacheCallMsg = Union[PinMsg, UnpinMsg, ListPinsMsg, LoadLoRAMsg, UnloadLoRAMsg]
 
 
 @dataclass(frozen=True)

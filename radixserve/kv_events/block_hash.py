@@ -11,8 +11,10 @@ tests/kv_events/test_block_hash.py against vectors made with vLLM's own function
     sha256_cbor(x)  = sha256(cbor2.dumps(x, canonical=True)).digest()         # 32 bytes
     NONE_HASH       = sha256_cbor("vllm-none-hash")      # the seed, PYTHONHASHSEED unset
     h_i             = sha256_cbor((h_{i-1} or NONE_HASH, tuple(block_i's token ids), extra_i))
-    extra_i         = (salt,) for block 0 when a cache salt is set, else None   # vLLM's
-                      `cache_salt` extra key; no LoRA, multimodal or prompt-embeds keys here
+    extra_i         = (lora_name,) + ((salt,) for block 0 when a cache salt is set), None if
+                      empty   # vLLM's LoRA and `cache_salt` extra keys (LoRA first, in every
+                      block); no multimodal or prompt-embeds keys here. A LoRA namespace
+                      (radixserve/lora/namespace.py) gives both parts.
     on the wire     = int.from_bytes(h_i[-8:], "big")    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 
 Only full blocks have a hash. The chain runs on the full 32-byte digests; events, the router's
@@ -25,6 +27,8 @@ import hashlib
 from collections.abc import Sequence
 
 import cbor2
+
+from radixserve.lora.namespace import split_namespace
 
 NONE_HASH_SEED = "vllm-none-hash"
 
@@ -49,9 +53,12 @@ def sha256_cbor_digests(token_ids: Sequence[int], block_size: int,
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     parent = NONE_HASH
     out: list[bytes] = []
+    salt, lora = split_namespace(salt)
+    lora_keys = () if lora is None else (lora,)
     for i in range(len(token_ids) // block_size):
         block = tuple(int(t) for t in token_ids[i * block_size : (i + 1) * block_size])
-        extra = (salt,) if salt and i == 0 else None
+        keys = lora_keys + ((salt,) if salt and i == 0 else ())
+        extra = keys or None
         parent = sha256_cbor((parent, block, extra))
         out.append(parent)
     return out

@@ -19,7 +19,9 @@ miss, so it is spelled out here and pinned by a test against xxhash itself; with
 Block i's hash therefore covers every token before it and the salt, so equal hashes mean
 equal prefixes of the same cache namespace. The salt is `cache_salt_for_api_key(key)`
 (radixserve/api/api_keys.py)
-(or "" for the shared namespace), chosen by the server, never by the client.
+(or "" for the shared namespace), chosen by the server, never by the client. Under a LoRA
+adapter the salt is `salt + "\x00lora:" + adapter name` (lora/namespace.py's
+routing_namespace; the event's `lora_name` names the adapter too).
 
 Wire format (one JSON object per SSE `data:` line):
     {"seq": 7, "events": [
@@ -49,6 +51,7 @@ import xxhash
 
 from radixserve.config.kv_events_config import HashAlgo
 from radixserve.kv_events.block_hash import sha256_cbor_hashes
+from radixserve.lora.namespace import routing_namespace, split_namespace
 
 DEFAULT_BLOCK_SIZE = 16
 _HASH_SEED = 0
@@ -107,6 +110,7 @@ class BlockStored:
     # The tier holding the blocks ("GPU", "CPU", ...); None: the pool's own (the ZMQ
     # publisher names it). Not part of the SSE wire format.
     medium: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the blocks were computed under
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ def encode_batch(batch: EventBatch) -> bytes:
                 "type": "BlockStored", "block_hashes": list(ev.block_hashes),
                 "parent_block_hash": ev.parent_block_hash, "token_ids": list(ev.token_ids),
                 "block_size": ev.block_size, "medium": ev.medium,
+                **({} if ev.lora_name is None else {"lora_name": ev.lora_name}),
             })
         elif isinstance(ev, BlockRemoved):
             events.append({"type": "BlockRemoved", "block_hashes": list(ev.block_hashes),
@@ -164,7 +169,7 @@ def decode_batch(data: bytes | str) -> EventBatch:
                     tuple(int(h) for h in ev["block_hashes"]),
                     None if ev["parent_block_hash"] is None else int(ev["parent_block_hash"]),
                     tuple(int(t) for t in ev["token_ids"]), int(ev["block_size"]),
-                    _medium(ev),
+                    _medium(ev), ev.get("lora_name"),
                 ))
             elif kind == "BlockRemoved":
                 events.append(BlockRemoved(tuple(int(h) for h in ev["block_hashes"]),
@@ -277,12 +282,15 @@ class KVEventPublisher:
         first = ce.prefix_len // bs  # first block whose end > prefix_len
         if first >= num_full:
             return []
-        hashes = block_hashes(path[: num_full * bs], bs, ce.salt, self.hash_algo)
+        # A LoRA namespace hashes as salt + adapter name (lora/namespace.py), as routers key it.
+        salt, lora = split_namespace(ce.salt)
+        hashes = block_hashes(path[: num_full * bs], bs, routing_namespace(salt, lora),
+                              self.hash_algo)
         medium = getattr(ce, "medium", None)  # a tiered cache names the tier
         if kind == "stored":
             parent = hashes[first - 1] if first > 0 else None
             tokens = tuple(int(t) for t in path[first * bs : num_full * bs])
-            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs, medium)]
+            return [BlockStored(tuple(hashes[first:]), parent, tokens, bs, medium, lora)]
         if kind == "removed":
             return [BlockRemoved(tuple(hashes[first:]), medium)]
         raise ValueError(f"unknown cache event kind {kind!r}")

@@ -44,6 +44,7 @@ from radixserve.kv_events.publisher import (
     EventBatch,
     KVEventPublisher,
 )
+from radixserve.lora.namespace import lora_int_id
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ def to_wire(batch: EventBatch, medium: str, ts: float, dp_rank: int = 0) -> Wire
     for ev in batch.events:
         if isinstance(ev, BlockStored):
             events.append(WireBlockStored(list(ev.block_hashes), ev.parent_block_hash,
-                                          list(ev.token_ids), ev.block_size, None,
+                                          list(ev.token_ids), ev.block_size,
+                                          None if ev.lora_name is None
+                                          else lora_int_id(ev.lora_name),
                                           ev.medium or medium))
         elif isinstance(ev, BlockRemoved):
             events.append(WireBlockRemoved(list(ev.block_hashes), ev.medium or medium))

@@ -65,11 +65,16 @@ def _admit(s: Scheduler, reqs: list[Req], lens: list[int], budget: int,
     reserved = mem.reserved_tokens(live, reqs, lens)
     newly: list[Req] = []
     chosen = SharingIndex(reqs)
+    # LoRA: the adapters the batch's live requests use (at most --max-loras)
+    adapters = None if s.lora is None else s.lora.batch_adapters([*live, *reqs])
     for req in order_waiting(s.waiting, matches, policy):
         if budget <= 0 or len(live) >= s.cfg.max_running_requests:
             break
         if not _grammar_ready(s, req):
             continue  # still compiling (or failed): it waits, the batch does not
+        if s.lora is not None and adapters is not None and not s.lora.admissible(
+                s, req, adapters):
+            continue  # its adapter loads (or --max-loras adapters are in use): it waits
         if s.tier_loads is not None and not s.tier_loads.ready(req):
             continue  # its prefix is being read from a tier: it waits, the batch does not
         if reqs and chosen.shares_uncached_prefix(req, matches.get(req.rid, 0)):
@@ -85,6 +90,8 @@ def _admit(s: Scheduler, reqs: list[Req], lens: list[int], budget: int,
         budget -= n
         reserved += req.num_uncomputed_tokens - n + mem.future_tokens(req)
     s.admitted(newly)
+    if s.lora is not None:
+        s.lora.trim(s)
 
 
 def _grammar_ready(s: Scheduler, req: Req) -> bool:

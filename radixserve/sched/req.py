@@ -18,6 +18,7 @@ from radixserve.types import FinishReason, Phase, SamplingParams
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import TreeNode
     from radixserve.grammar.backend import Matcher
+    from radixserve.lora.peft_format import PeftAdapter
     from radixserve.sched.decode import DecodeRows
     from radixserve.speculative.drafter import SpecState
 
@@ -69,6 +70,10 @@ class Req:
     # Speculative decoding: its prediction, alignment, adaptive draft length and counts;
     # None when nothing drafts for it (no --speculative-config and no prediction).
     spec: SpecState | None = None
+    # LoRA: the adapter it names (None: the base model), and the loaded adapter once its load
+    # finished (set at admission with the adapter's radix namespace as `cache_salt`).
+    lora_name: str | None = None
+    lora: PeftAdapter | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -38,8 +38,10 @@ from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
 from radixserve.config.speculative_config import SpeculativeConfig
 from radixserve.grammar.compiler import GrammarCompiler
+from radixserve.lora.namespace import lora_namespace
 from radixserve.sched.counters import EngineCounters
 from radixserve.sched.decode import DecodeRows, build_rows, plan_decode
+from radixserve.sched.lora_gate import LoRAGate
 from radixserve.sched.memory import MemoryManager
 from radixserve.sched.outputs import process_outputs
 from radixserve.sched.pins import PinTable
@@ -59,6 +61,7 @@ from radixserve.types import (
 
 if TYPE_CHECKING:
     from radixserve.grammar.backend import Matcher
+    from radixserve.lora.peft_format import PeftAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +70,10 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: RadixCache,
                  max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  grammars: GrammarCompiler | None = None, tiers: KVTiers | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 lora: LoRAGate | None = None) -> None:
         self.cfg = cfg
+        self.lora = lora  # None: LoRA off (--enable-lora not given)
         # One slot-table row per running request (the model runner's table has as many).
         self.mem = MemoryManager(allocator, cache, cfg.max_running_requests,
                                  cfg.disable_radix_cache)
@@ -100,10 +105,13 @@ class Scheduler:
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
             cache_salt: str = "", priority: int = 0,
-            prediction_ids: list[int] | None = None) -> Req:
+            prediction_ids: list[int] | None = None, lora_name: str | None = None) -> Req:
         """Validate and queue. Raises InvalidRequestError (the caller's 4xx)."""
         if rid in self.reqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
+        if lora_name is not None and (self.lora is None or not self.lora.manager.known(lora_name)):
+            raise InvalidRequestError(f"The model `{lora_name}` does not exist.", "model",
+                                      status=404)
         max_new = checked_max_new_tokens(prompt_ids, params, self.vocab_size, self.max_model_len)
         if params.constraint is not None:
             if self.grammars is None:
@@ -111,7 +119,7 @@ class Scheduler:
             self.grammars.request(params.constraint)
         req = Req(rid=rid, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
                   max_new_tokens=max_new, cache_salt=cache_salt, priority=priority,
-                  arrival=time.monotonic())
+                  arrival=time.monotonic(), lora_name=lora_name)
         self.spec.on_add(req, prediction_ids)
         self.reqs[rid] = req
         self.waiting.append(req)
@@ -214,7 +222,10 @@ class Scheduler:
     def started_decoding(self, req: Req) -> None:
         """prefilling -> running: its prompt is computed and its first token sampled."""
         self.prefilling.remove(req)
-        self.running.append(req)
+        if self.lora is None:
+            self.running.append(req)
+        else:  # one adapter's decodes stay contiguous: one segment per adapter in a step
+            self.running.insert(LoRAGate.join_position(self.running, req), req)
         self._running_version += 1
 
     def retract(self, req: Req) -> None:
@@ -239,6 +250,12 @@ class Scheduler:
         self.waiting.remove(req)
         self._finish(req, FinishReason.ABORT)
         self.aborted.append((req, error))
+
+    def set_lora(self, req: Req, adapter: PeftAdapter) -> None:
+        """Its adapter loaded: the request computes with it, in the adapter's radix namespace
+        (set before its first match, so it never shares K/V with the base or another one)."""
+        req.lora = adapter
+        req.cache_salt = lora_namespace(req.cache_salt, adapter.name, adapter.digest)
 
     def set_matcher(self, req: Req, matcher: Matcher) -> None:
         req.grammar = matcher  # its grammar compiled: kept until it finishes

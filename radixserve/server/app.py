@@ -35,6 +35,7 @@ from radixserve.server.metrics_compat import VllmCompatCollector
 from radixserve.server.routes.cache import add_cache_routes
 from radixserve.server.routes.chat import add_chat_routes
 from radixserve.server.routes.kv_events import setup_kv_events
+from radixserve.server.routes.lora import add_lora_routes
 from radixserve.server.routes.native import add_native_routes
 from radixserve.server.routes.openai import add_openai_routes
 from radixserve.server.routes.responses import add_responses_routes
@@ -113,6 +114,8 @@ def create_app(cfg: ServerConfig, client: EngineClient, *,
     add_cache_routes(app)
     add_native_routes(app)
     add_tokenize_routes(app)
+    lora = cfg.engine.lora
+    add_lora_routes(app, lora is not None and lora.allow_runtime_updates)
     if cfg.engine.enable_kv_events:
         publisher = KVEventPublisher(hash_algo=HashAlgo(cfg.prefix_caching_hash_algo))
         client.cache_event_sinks.append(publisher.publish)

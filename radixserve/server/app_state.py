@@ -75,6 +75,14 @@ class ServerState:
             allow_additional_properties=cfg.engine.structured_outputs_allow_additional_properties)
         self._token_strs: dict[int, str] = {}
         self.responses = ResponseStore(cfg.responses_store_size)  # /v1/responses, store: true
+        # LoRA adapters a request may name in `model`: name -> PEFT folder (--lora-modules,
+        # then /v1/load_lora_adapter and /v1/unload_lora_adapter); the engine reads them.
+        lora = cfg.engine.lora
+        self.loras: dict[str, str] = {} if lora is None else {m.name: m.path
+                                                              for m in lora.modules}
+        # vLLM's /v1/models `parent` of an adapter given with a JSON `base_model_name`
+        self.lora_parents: dict[str, str] = {} if lora is None else {
+            m.name: m.base_model_name for m in lora.modules if m.base_model_name}
 
     @property
     def ready(self) -> bool:
@@ -121,10 +129,16 @@ class ServerState:
         if not self.ready:
             raise APIError(503, "the model is still loading", code="model_loading")
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.cfg.engine.model):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        if name is None or name in (self.model_name, self.cfg.engine.model):
+            return None
+        if name in self.loras:
+            return name
+        raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                            f"'{self.model_name}'"
+                            + (f" and the LoRA adapters {sorted(self.loras)}" if self.loras
+                               else ""), param="model", code="model_not_found")
 
     async def encode(self, prompt: PromptInput, add_special_tokens: bool = True) -> list[int]:
         return await prompts.encode_prompt(self.tokenizer, self.vocab_size, prompt,
@@ -152,7 +166,9 @@ class ServerState:
         """make_jobs under the caller's cache namespace, per-key caps and priority."""
         caller = request_caller(request)
         opts = dataclasses.replace(opts, priority=caller.priority_for(opts.priority))
-        return self.make_jobs(prompts, opts, caller.cache_salt, param, caller.limits)
+        jobs = self.make_jobs(prompts, opts, caller.cache_salt, param, caller.limits)
+        lora = self.check_model(opts.model)
+        return jobs if lora is None else [dataclasses.replace(j, lora_name=lora) for j in jobs]
 
     @contextmanager
     def admit(self, request: web.Request, jobs: Sequence[ChoiceJob]) -> Iterator[Ticket]:

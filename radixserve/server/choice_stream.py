@@ -97,7 +97,7 @@ async def stream_choice(client: GenerateClient, tokenizer: Decoder, job: ChoiceJ
     hidden = set(hidden_ids) | set(job.params.stop_token_ids)
     timer = _Timer(metrics, time.perf_counter() if arrival is None else arrival)
     msg = GenerateMsg(job.rid, list(job.prompt_ids), job.params, job.cache_salt, job.priority,
-                      list(job.prediction_ids) or None)
+                      list(job.prediction_ids) or None, lora_name=job.lora_name)
     chunk = ChoiceChunk(job.index, "")
     first, finish = True, None
     try:

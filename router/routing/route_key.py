@@ -19,6 +19,12 @@ by the key (and holds no unsalted blocks), one with auth off or --shared-cache s
 (and holds no salted ones), so the better of the two matches is exact either way and the
 router need not know how each replica is configured. The first chain is the namespace the
 router is configured for (`salt_by_api_key`); only it is noted as pending after routing.
+LoRA: a request's `model` may name an adapter, whose K/V differ from the base model's for the
+same prompt. Approximate keys are namespaced by `model` (so one adapter's prefix goes to one
+replica, and two adapters' never collide); precise mode adds the chains of the adapter
+namespace (`salt + "\x00lora:" + model`, what a replica's events hash adapter blocks under,
+radixserve/lora/namespace.py) first, and keeps the plain ones: if `model` is the base model's
+name no replica announces the adapter chain, and the plain chain matches.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from radixserve.api.api_keys import cache_salt_for_api_key
 from radixserve.api.responses import input_messages
 from radixserve.config.kv_events_config import HashAlgo
 from radixserve.kv_events.publisher import block_hashes, chained_hashes
+from radixserve.lora.namespace import routing_namespace
 from radixserve.types import InvalidRequestError
 
 
@@ -142,6 +149,22 @@ def salt_for(authorization: str | None, salt_by_api_key: bool) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         return ""
     return cache_salt_for_api_key(token.strip())
+
+
+def model_of(body: Any) -> str | None:
+    """The request's `model` (a base model or a LoRA adapter name), if it names one."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def route_salts(salt: str, model: str | None) -> tuple[tuple[str, ...], str]:
+    """(precise mode's candidate namespaces, the approximate key's namespace); see the
+    module docstring."""
+    plain = (salt,) if not salt else (salt, "")
+    if model is None:
+        return plain, salt
+    return tuple(routing_namespace(s, model) for s in plain) + plain, routing_namespace(
+        salt, model)
 
 
 def canonical_chat(messages: list[dict[str, Any]]) -> bytes:

@@ -169,7 +169,7 @@ def test_tp2_on_the_fused_triton_forward_equals_tp1(tiny_llama: Path) -> None:
         llm = make_llm(tiny_llama, tp, device="cpu", attention_backend="triton",
                        kv_cache_tokens=2048, max_model_len=256)
         try:
-            assert llm.engine.runner.model.fused is not None
+            assert llm.engine.runner.model.fused
             results[tp] = [o.token_ids for o in llm.generate(prompts, params)]
         finally:
             llm.close()

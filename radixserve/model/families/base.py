@@ -24,7 +24,12 @@ from radixserve.model.arch import ModelArch, RopeSpec
 from radixserve.model.layers.attention import Attention, AttentionShape
 from radixserve.model.layers.context import ForwardContext
 from radixserve.model.layers.embedding import LMHead, VocabEmbedding
-from radixserve.model.layers.linear import LinearLayer, LinearMethod, RowParallelLinear
+from radixserve.model.layers.linear import (
+    LinearLayer,
+    LinearMethod,
+    LoraHook,
+    RowParallelLinear,
+)
 from radixserve.model.layers.mlp import GatedMLP
 from radixserve.model.layers.norm import Residual, RMSNorm
 from radixserve.model.norm_rope import NormRope, load_norm_rope
@@ -57,6 +62,9 @@ class ModelParts:
     dtype: torch.dtype
     device: torch.device
     _tables: dict[RopeSpec, RotaryTable]
+    # --enable-lora: every projection carries this hook, and gate/up stay one GEMM (the
+    # adapters' delta goes between it and the activation: no oneDNN epilogue halves)
+    lora: LoraHook | None = None
 
     def rotary(self, rope: RopeSpec) -> RotaryTable:
         """The table of `rope`, one per distinct spec (Gemma 3: a local and a global one)."""
@@ -72,11 +80,11 @@ class ModelParts:
         s = self.spec
         kv = s.num_kv_heads * s.head_dim
         return LinearLayer(self.method.create(lw.qkv, lw.qkv_bias), "qkv_proj", i,
-                           (s.num_heads * s.head_dim, kv, kv))
+                           (s.num_heads * s.head_dim, kv, kv), self.lora)
 
     def o_proj(self, i: int, lw: LayerWeights) -> RowParallelLinear:
         return RowParallelLinear(self.method.create(lw.o_proj, None), "o_proj", i,
-                                 (self.spec.hidden_size,), tp=self.tp)
+                                 (self.spec.hidden_size,), self.lora, tp=self.tp)
 
     def attention(self, i: int, rope: RopeSpec, scale: float | None = None,
                   window: int | None = None, softcap: float | None = None,
@@ -92,13 +100,14 @@ class ModelParts:
     def mlp(self, i: int, lw: LayerWeights, act: str = "silu") -> GatedMLP:
         assert lw.gate_up is not None and lw.down is not None, f"layer {i} is sparse (MoE)"
         down = RowParallelLinear(self.method.create(lw.down, None), "down_proj", i,
-                                 (self.spec.hidden_size,), tp=self.tp)
-        packed = None if self.fused or act != "silu" else self.method.packed_halves(lw.gate_up)
+                                 (self.spec.hidden_size,), self.lora, tp=self.tp)
+        packed = None if self.fused or act != "silu" or self.lora is not None else (
+            self.method.packed_halves(lw.gate_up))
         if packed is not None:
             return GatedMLP(None, down, act, packed)
         inter = out_features(lw.gate_up) // 2
         gate_up = LinearLayer(self.method.create(lw.gate_up, None, prepacked=not self.fused),
-                              "gate_up_proj", i, (inter, inter))
+                              "gate_up_proj", i, (inter, inter), self.lora)
         return GatedMLP(gate_up, down, act)
 
 
@@ -151,9 +160,9 @@ class CausalLM:
 
 def model_parts(spec: ModelArch, method: LinearMethod, max_positions: int,
                 dtype: torch.dtype, device: torch.device, fused: bool,
-                tp: TPComm | None) -> ModelParts:
+                tp: TPComm | None, lora: LoraHook | None = None) -> ModelParts:
     return ModelParts(spec, method, load_norm_rope(device), tp, fused, max_positions, dtype,
-                      device, {})
+                      device, {}, lora)
 
 
 def head_and_embed(parts: ModelParts, weights: ModelWeights, shard: TPShard | None,

@@ -25,7 +25,7 @@ from radixserve.model.families.olmoe import OLMOE
 from radixserve.model.families.phi3 import PHI3
 from radixserve.model.families.qwen3 import QWEN3
 from radixserve.model.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
-from radixserve.model.layers.linear import linear_method
+from radixserve.model.layers.linear import LoraHook, linear_method
 from radixserve.model.quantization.config import QuantConfig
 from radixserve.model.weights import ModelWeights
 from radixserve.model_source import ModelLoadError
@@ -79,17 +79,19 @@ def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBacken
                 max_positions: int, quantization: str | None = None,
                 quantize_lm_head: bool = True, fused: bool | None = None,
                 tp: TPComm | None = None, shard: TPShard | None = None,
-                checkpoint_quant: QuantConfig | None = None) -> CausalLM:
+                checkpoint_quant: QuantConfig | None = None,
+                lora: LoraHook | None = None) -> CausalLM:
     """The model of `spec`'s family. With `tp`: `spec` is the rank's own
     (shard.local_arch()), the weights its slices. `fused`: None: the Triton fused kernels
     where the backend supports them; False: the unfused order with any backend.
     `checkpoint_quant`: the checkpoint's own quantization (its weights arrive as QWeights);
-    only int8 quantizes the LM head (FP8 keeps it in the model's dtype, as vLLM does)."""
+    only int8 quantizes the LM head (FP8 keeps it in the model's dtype, as vLLM does).
+    `lora`: the hook every projection carries (--enable-lora)."""
     family = family_of(spec.architecture)
     device, dtype = weights.embed.device, weights.embed.dtype
     is_fused = _fused(backend, fused)
     method = linear_method(quantization, device, checkpoint_quant)
-    parts = model_parts(spec, method, max_positions, dtype, device, is_fused, tp)
+    parts = model_parts(spec, method, max_positions, dtype, device, is_fused, tp, lora)
     quantize_lm_head = quantize_lm_head and method.name == "int8"
     layers = family.layers(parts, weights)
     # NOTE: the loaded ModelWeights is not kept: its layer weights live on only in their

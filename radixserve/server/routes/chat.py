@@ -83,7 +83,7 @@ async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
     chunk (on the choice, which the router reads, and on the chunk, as vLLM), then each
     chunk's generated ids."""
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": state.model_name}
+            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name}
     usage = Usage(jobs)
     readers: dict[int, ChoiceReader] = {}
     async with aclosing(chunks) as stream:
@@ -145,7 +145,8 @@ async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
             choice["token_ids"] = token_ids[i]
         choices.append(choice)
     body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": state.model_name, "choices": choices,
+            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name,
+            "choices": choices,
             "usage": usage.body()}
     if ids:
         body["prompt_token_ids"] = list(jobs[0].prompt_ids)

@@ -134,7 +134,7 @@ async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                              ) -> AsyncGenerator[dict[str, Any], None]:
     """Completion chunks, then (`with_usage`) a last event with no choices and the usage."""
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": state.model_name}
+            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name}
     usage = Usage(jobs)
     lp_builders: dict[int, CompletionLogprobs] = {}
     async with aclosing(chunks) as stream:
@@ -206,7 +206,14 @@ async def list_models(request: web.Request) -> web.Response:
     card = {"id": state.model_name, "object": "model", "created": int(state.started),
             "owned_by": "radixserve", "root": state.cfg.engine.model,
             "max_model_len": state.max_model_len or None}
-    return json_response({"object": "list", "data": [card]})
+    # vLLM's shape: each LoRA adapter is a model whose `parent` is the base model's id (or
+    # the `base_model_name` its --lora-modules JSON gave).
+    adapters = [{"id": name, "object": "model", "created": int(state.started),
+                 "owned_by": "radixserve", "root": path,
+                 "parent": state.lora_parents.get(name, state.model_name),
+                 "max_model_len": state.max_model_len or None}
+                for name, path in state.loras.items()]
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 def add_openai_routes(app: web.Application) -> None:
