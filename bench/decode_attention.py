@@ -19,6 +19,9 @@ model's dtype (auto) with the same kernel over the 8-bit pool holding the same K
 with per-head scales), side by side; `--layers` shrinks the pools (each layer's step is alike).
 `--new-tokens N` (N > 1, at most SHORT_QUERY_MAX) makes it the step that verifies drafts: N
 new tokens per request, causal among themselves, one kernel row per token on the native path.
+`--window W` compares instead the native kernel attending the whole context with the same kernel
+under a sliding window of W tokens (attention/base.py's `window`: each request's start raised
+to seq_len - W), on the same pool: the work the window saves at long context.
 
     python -m bench.decode_attention --batch 32 --prompt-len 516 --decoded 24 --dtype float32
     python -m bench.decode_attention --new-tokens 4 --dtype bfloat16 --num-threads 2
@@ -26,6 +29,8 @@ new tokens per request, causal among themselves, one kernel row per token on the
         --num-threads 2 --layers 8
     python -m bench.decode_attention --kv-cache-dtype fp8 --prompt-len 4072 --dtype bfloat16 \
         --num-threads 1 --layers 4 --clock cpu
+    python -m bench.decode_attention --window 1024 --prompt-len 8168 --batch 8 --layers 8 \
+        --dtype bfloat16 --num-threads 2
 """
 
 from __future__ import annotations
@@ -85,12 +90,14 @@ class Pool:
 
 
 def step(backend: TorchAttentionBackend, qkv: list[torch.Tensor], pool: Pool,
-         meta: AttentionMetadata, clock: Callable[[], float]) -> tuple[float, torch.Tensor]:
+         meta: AttentionMetadata, clock: Callable[[], float], window: int | None = None
+         ) -> tuple[float, torch.Tensor]:
     t = clock()
     out = torch.empty(0)
     for i in range(pool.k.shape[0]):
         q, kn, vn = torch.split(qkv[i], [HQ, HKV, HKV], dim=1)  # Tensor.split is unannotated
-        out = backend.forward(q, kn, vn, pool.k[i], pool.v[i], meta, D**-0.5, pool.scales[i])
+        out = backend.forward(q, kn, vn, pool.k[i], pool.v[i], meta, D**-0.5, pool.scales[i],
+                              window=window)
     return clock() - t, out
 
 
@@ -109,6 +116,8 @@ def main() -> None:
                     help="wall time, or this process's CPU time")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPES],
                     help="not auto: native kernel over the model-dtype pool vs the 8-bit pool")
+    ap.add_argument("--window", type=int, default=None,
+                    help="native kernel over the whole context vs with this sliding window")
     args = ap.parse_args()
     torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype)
@@ -121,7 +130,14 @@ def main() -> None:
     T = args.batch * args.new_tokens
     qkv = [torch.randn(T, HQ + 2 * HKV, D, generator=g).to(dtype) for _ in range(args.layers)]
     native = TorchAttentionBackend(kernel)
-    if args.kv_cache_dtype == "auto":
+    windows: dict[str, int | None] = {}
+    if args.window is not None:
+        pool = Pool(k, v, None if args.kv_cache_dtype == "auto"
+                    else KV_DTYPES[args.kv_cache_dtype])
+        paths = {"native, full context": (native, pool),
+                 f"native, window {args.window}": (native, pool)}
+        windows[f"native, window {args.window}"] = args.window
+    elif args.kv_cache_dtype == "auto":
         paths = {"torch cascade": (TorchAttentionBackend(), Pool(k, v, None)),
                  "native kernel": (native, Pool(k, v, None))}
     else:
@@ -134,7 +150,7 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(args.runs + 1):  # the first round warms up
             for name, (backend, pool) in paths.items():
-                secs, outs[name] = step(backend, qkv, pool, meta, clock)
+                secs, outs[name] = step(backend, qkv, pool, meta, clock, windows.get(name))
                 times[name].append(secs)
     med = [statistics.median(ts[1:]) * 1e3 for ts in times.values()]
     first, second = outs.values()
@@ -147,7 +163,8 @@ def main() -> None:
         rounds = statistics.median(t / b for t, b in zip(times[name][1:], base, strict=True))
         print(f"{name:24s} {ms:8.1f} ms/step   ({med[0] / ms:.2f}x; time ratio {ms / med[0]:.2f},"
               f" per round {rounds:.2f})")
-    print(f"max |difference| of the last layer's output: {diff:.2e}")
+    if args.window is None:  # (a window changes the output: no difference to compare)
+        print(f"max |difference| of the last layer's output: {diff:.2e}")
 
 
 if __name__ == "__main__":

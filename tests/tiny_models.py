@@ -61,6 +61,7 @@ def make_tiny_model(
     seed: int = 0,
     rope_scaling: dict[str, Any] | None = None,
     vocab_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Save a random model of `arch` ("llama" | "qwen2" | "mistral") with our tokenizer.
     `vocab_size`: the model's (at least the tokenizer's; the ids past it have no text)."""
@@ -86,9 +87,11 @@ def make_tiny_model(
             common["rope_scaling"] = rope_scaling
         model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        window = {"use_sliding_window": True, "sliding_window": sliding_window,
+                  "max_window_layers": 1} if sliding_window else {}
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **window))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
     else:
         raise ValueError(f"unknown arch {arch}")
     with torch.no_grad():

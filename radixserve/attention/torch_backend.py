@@ -309,7 +309,8 @@ class TorchAttentionBackend:
         kscale, vscale = (None, None) if reader.kv_scale is None else reader.kv_scale
         out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
                                      plan.starts, plan.seq_lens, scale, kscale, vscale,
-                                     softcap=softcap or 0.0)  # (T, Hq, D), (T, Hq)
+                                     **({} if softcap is None else {"softcap": softcap})
+                                     )  # (T, Hq, D), (T, Hq)
         out, lse = out.view(T, Hkv, Hq // Hkv, D), lse.view(T, Hkv, Hq // Hkv)
         for g in plan.groups:  # disjoint: each token is merged at most once
             out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader, softcap)

@@ -274,11 +274,15 @@ def _attend_long_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slots the chunk's first query sees are passed, and the kernel bounds each query's keys."""
     cu = token_offsets(meta.extend_lens_cpu)
     scales = () if kv_scale is None else tuple(kv_scale)
+    options: dict[str, float | int] = {}  # the kernel's defaults (0: none) where not set
+    if softcap is not None:
+        options["softcap"] = softcap
+    if window is not None:
+        options["window"] = window
     for b in long:
         s, e = cu[b], cu[b + 1]
         prefix = meta.prefix_lens_cpu[b]
         lo = window_start(prefix, window)
         slots = meta.slot_table[meta.rows_cpu[b], lo:prefix]  # (P,) int32
-        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale, *scales,
-                      softcap=softcap or 0.0, window=window or 0)
+        o, _ = kernel(q[s:e], k[s:e], v[s:e], k_cache, v_cache, slots, scale, *scales, **options)
         out[s:e] = o
