@@ -70,6 +70,13 @@ class ModelArch:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for "
                                  f"{self.num_layers} layers")
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full causal); () for a model without windows."""
+        if self.sliding_window is None:
+            return ()
+        return tuple(self.window(i) for i in range(self.num_layers))
+
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to the whole context)."""
         if self.sliding_window is None:
@@ -152,6 +159,16 @@ def common_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "qkv_bias": bool(cfg.get("attention_bias", False)),
         "eos_token_id": cfg.get("eos_token_id"),
     }
+
+
+def sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The config's sliding_window (None: absent or null), refused unless a positive int."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+    return window
 
 
 def layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from radixserve.attention.cpu_kernels import (
     paged_decode_reference,
     prefill_attention_reference,
 )
-from radixserve.attention.kv_quant import dequantize, quantize
+from radixserve.attention.kv_quant import KVScale, dequantize, quantize, scales_from_amax
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.types import Phase
 from tests.attention.test_cpu_kernels import make_inputs, prefill_inputs
@@ -271,3 +271,41 @@ def test_decode_window_skips_shared_groups() -> None:
                                                                None, 0.2), rtol=1e-5, atol=1e-5)
     full = limited_reference(q, k_cache, v_cache, args, None, None, 0.2)
     assert not torch.allclose(out.double(), full, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["decode, two groups + loner", "verify, drafts in a group",
+                                  "mixed, decodes + long chunks",
+                                  "extend, query chunks after a prefix"])
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_backend_window_softcap_over_8bit_pool(case: str, kernel: str) -> None:
+    """An 8-bit pool (e4m3, per-head scales) through every windowed path: equal to the
+    reference over the dequantized pool (the new tokens' K/V put on the 8-bit grid first, so
+    that the paths reading them as given and those reading them as stored see the same)."""
+    fmt = torch.float8_e4m3fn
+    phase, prefix_lens, extend_lens, groups = CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 2)
+    table = make_table([p + n for p, n in zip(prefix_lens, extend_lens, strict=True)], groups,
+                       False, gen)
+    meta = build_meta(phase, prefix_lens, extend_lens, table, groups)
+    T = sum(extend_lens)
+    k_raw = torch.randn(NUM_SLOTS, HKV, D, generator=gen)
+    v_raw = torch.randn(NUM_SLOTS, HKV, D, generator=gen)
+    ks = scales_from_amax(k_raw.abs().amax(dim=(0, 2)), fmt)
+    vs = scales_from_amax(v_raw.abs().amax(dim=(0, 2)), fmt)
+    k8, v8 = quantize(k_raw, ks, fmt), quantize(v_raw, vs, fmt)
+    q = torch.randn(T, HKV * G, D, generator=gen) * 3
+
+    def on_grid(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize(quantize(x, scale, fmt), scale, torch.float32)
+
+    k = on_grid(torch.randn(T, HKV, D, generator=gen), ks)
+    v = on_grid(torch.randn(T, HKV, D, generator=gen), vs)
+    backend = TorchAttentionBackend()
+    if kernel == "native":
+        backend = TorchAttentionBackend(load_paged_decode(), load_prefill_attention())
+    out = backend.forward(q, k, v, k8, v8, meta, D**-0.5, KVScale(ks, vs), window=20,
+                          softcap=2.5)
+    k_full, v_full = dequantize(k8, ks, torch.float32), dequantize(v8, vs, torch.float32)
+    ref = limited_reference(q, k_full, v_full, (phase, prefix_lens, extend_lens, table, groups),
+                            20, 2.5, D**-0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

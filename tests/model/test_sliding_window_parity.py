@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.model.arch import read_model_spec
+from radixserve.model.families.registry import read_model_spec
 from radixserve.model_source import ModelLoadError
 from radixserve.types import SamplingParams
 from tests.model.test_parity import hf_greedy, random_prompts

@@ -23,6 +23,7 @@ from radixserve.model.arch import (
     layer_types,
     rope_params,
     rope_spec,
+    sliding_window,
 )
 from radixserve.model.families.base import DecoderLayer, ModelParts
 from radixserve.model.families.family import Family, Features, HeadOptions
@@ -109,7 +110,7 @@ def parse_gemma(arch: str, cfg: dict[str, Any]) -> ModelArch:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _ACTS:
         raise ModelLoadError(f"Gemma with hidden_activation {act!r}: supported: {list(_ACTS)}")
-    window = cfg.get("sliding_window")
+    window = sliding_window(cfg)
     types = _gemma_types(arch, cfg, fields["num_layers"]) if window else ()
     local = None
     if arch in GEMMA3:
@@ -120,7 +121,7 @@ def parse_gemma(arch: str, cfg: dict[str, Any]) -> ModelArch:
         else:  # transformers 4: rope_local_base_freq, unscaled
             local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
     return GemmaArch(
-        **fields, sliding_window=int(window) if window else None, layer_types=types,
+        **fields, sliding_window=window, layer_types=types,
         qk_norm=arch in GEMMA3, hidden_act=_ACTS[act],
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or fields["head_dim"]),
         attn_logit_softcap=cfg.get("attn_logit_softcapping"),

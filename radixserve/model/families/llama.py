@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.model.arch import FULL, SLIDING, ModelArch, common_fields, layer_types
+from radixserve.model.arch import (
+    FULL,
+    SLIDING,
+    ModelArch,
+    common_fields,
+    layer_types,
+    sliding_window,
+)
 from radixserve.model.families.base import DecoderLayer, ModelParts
 from radixserve.model.families.family import Family, Features
 from radixserve.model.layers.attention import Attention
@@ -60,14 +67,16 @@ def llama_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLa
 def qwen2_window(cfg: dict[str, Any], num_layers: int
                  ) -> tuple[int | None, tuple[str, ...]]:
     """Qwen2/Qwen3: a window only with use_sliding_window, on layers >= max_window_layers."""
-    window = cfg.get("sliding_window")
-    if not (window and cfg.get("use_sliding_window", False)):
+    if not cfg.get("use_sliding_window", False):
+        return None, ()
+    window = sliding_window(cfg)
+    if window is None:
         return None, ()
     types = layer_types(cfg, num_layers)
     if not types:
         first = int(cfg.get("max_window_layers", num_layers))
         types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
-    return int(window), types
+    return window, types
 
 
 def parse_llama(arch: str, cfg: dict[str, Any]) -> ModelArch:
@@ -76,8 +85,8 @@ def parse_llama(arch: str, cfg: dict[str, Any]) -> ModelArch:
         fields["qkv_bias"] = True
         window, types = qwen2_window(cfg, fields["num_layers"])
         return ModelArch(**fields, sliding_window=window, layer_types=types)
-    window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
-    return ModelArch(**fields, sliding_window=int(window) if window else None,
+    window = sliding_window(cfg) if arch == "MistralForCausalLM" else None
+    return ModelArch(**fields, sliding_window=window,
                      layer_types=layer_types(cfg, fields["num_layers"]) if window else ())
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.model.arch import ModelArch, common_fields, layer_types
+from radixserve.model.arch import ModelArch, common_fields, layer_types, sliding_window
 from radixserve.model.families.family import Family, Features
 from radixserve.model.families.llama import llama_layers
 from radixserve.model.weights import WeightNames
@@ -18,13 +18,13 @@ from radixserve.model.weights import WeightNames
 
 def parse_phi3(arch: str, cfg: dict[str, Any]) -> ModelArch:
     fields = common_fields(arch, cfg)
-    window = cfg.get("sliding_window")
+    window = sliding_window(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         from radixserve.model_source import ModelLoadError
 
         raise ModelLoadError(f"Phi-3 with hidden_act {act!r}: only silu is supported")
-    return ModelArch(**fields, sliding_window=int(window) if window else None,
+    return ModelArch(**fields, sliding_window=window,
                      layer_types=layer_types(cfg, fields["num_layers"]) if window else ())
 
 
