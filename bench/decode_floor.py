@@ -1,4 +1,4 @@
-"""Decode steps against the memory floor, per CPU tier and dtype, in one process.
+"""Decode steps against the memory floor (weight bytes / read bandwidth), per CPU tier and dtype.
 
 On CPU a decode step at small batch reads every weight once, so its floor is the model's
 weight bytes / the machine's read bandwidth. This measures both, side by side:
@@ -153,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
         m = measure(llm, clock, batch, args.output_len, args.runs)
         print(json.dumps({"tier": args.tier, "dtype": args.dtype, "batch": batch, **m,
                           "bandwidth": bandwidth, "weight_bytes": layers + head,
-                          "kernels": llm.engine.runner.cpu_kernels,
+                          "kernels": getattr(llm.engine.runner, "cpu_kernels", None),
                           "threads": torch.get_num_threads()}), flush=True)
     llm.close()
 

@@ -1,4 +1,4 @@
-"""The host the engine runs on: CPU threads and malloc settings, set once at start.
+"""The host the engine runs on: CPU threads, malloc settings, and the native kernels per CPU tier.
 
 Does not know: the model, requests.
 """
