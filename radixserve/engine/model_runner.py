@@ -36,6 +36,7 @@ from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
+from radixserve.parallel.devices import bind_rank_device
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
 from radixserve.sched.req import Batch
@@ -56,6 +57,7 @@ def resolve_device_dtype(cfg: EngineConfig, local_rank: int = 0
         device = torch.device(cfg.device)
     if device.type == "cuda" and cfg.tensor_parallel_size > 1:
         device = torch.device("cuda", local_rank)
+        bind_rank_device(device, cfg.tensor_parallel_size // cfg.nnodes)
     if cfg.dtype == "auto":
         choice = choose_auto_dtype(device, cpu_flags())
         logger.info("%s", choice.describe())
