@@ -1,7 +1,8 @@
-"""Tier loads on a side stream wait on the compute stream (issue 42, defect 5): the event is
-recorded on the engine thread when the load is submitted (after the last queued forward, whose
-rope_qk_store may still write pages an aborted request held) and the loader's stream waits on
-it before its first copy, then synchronizes. CPU test with a fake stream pair."""
+"""Tier work against the device's own timeline (issue 42, defects 5 and 6). Loads on a side stream
+wait on the compute stream: the event is recorded on the engine thread when the load is
+submitted (after the last queued forward, whose rope_qk_store may still write pages an aborted
+request held) and the loader's stream waits on it before its first copy, then synchronizes.
+The prefill cost model reads the step clock's device time. CPU tests with fake streams/events."""
 
 from __future__ import annotations
 
@@ -60,3 +61,34 @@ def test_a_load_waits_on_the_compute_stream_event_recorded_at_submit() -> None:
     assert thread == threading.current_thread().name  # recorded by the submitting thread
     assert rest == [("wait", token), ("write", BLOCK), ("write", 2 * BLOCK), ("synchronized",)]
     assert torch.equal(k[:, BLOCK:2 * BLOCK], block[0])
+
+
+class SlowDeviceEvent:
+    """A CUDA-like event: the device took 250 ms between any two events, whatever the host
+    clock says (a chunk that samples nothing returns before the GPU finishes it)."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.recorded
+
+    def elapsed_time(self, end: Any) -> float:
+        return 250.0
+
+
+def test_prefill_cost_model_reads_device_time_not_the_host_clock(tier_model: Any,
+                                                                 tmp_path: Any) -> None:
+    """Issue 42, defect 6: the tiers' prefill timings come from the step clock's events."""
+    from radixserve.engine.step_clock import StepClock
+    from tests.cache.tiers.engine_runs import make_llm, prompts, run
+
+    llm = make_llm(tier_model, kv_offload_dir=tmp_path)
+    llm.engine.clock = StepClock(SlowDeviceEvent)
+    run(llm, prompts(1, 40, seed=3))
+    (timing,) = llm.engine.timings.values()
+    assert timing.prefill_tokens == 40 and timing.prefill_seconds == 0.25
+    llm.close()
