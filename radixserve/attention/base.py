@@ -110,5 +110,6 @@ class StoredKVAttention(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: KVScale | None = None,  # an 8-bit pool's scales of this layer
+        check: bool = True,  # False: operands as the first layer's, already checked
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
         ...

@@ -94,7 +94,7 @@ def fused_forward(
                       meta.out_slots, ks, vs, check=check)
         q = qkv[:, : model.q_size].view(-1, num_heads, spec.head_dim)  # (T, heads, D) rotated
         attn = backend.attend(q, k_cache[i], v_cache[i], meta, model.scale,
-                              kv_scale)  # (T, heads, D)
+                              kv_scale, check=check)  # (T, heads, D)
         x = layer.o_proj(attn.reshape(-1, model.q_size))  # (T, hidden)
         if model.tp is not None:  # row-parallel: the ranks' partial sums
             model.tp.all_reduce(x)
