@@ -20,6 +20,7 @@ from radixserve.cache.radix_cache import CacheEvent, RadixCache
 from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.overlap import DeviceQueue, InFlight, launch
 from radixserve.engine.pin_calls import PinCalls
 from radixserve.engine.step_clock import StepClock, event_factory
 from radixserve.engine.tiers_setup import build_tiers, pool_medium
@@ -96,6 +97,14 @@ class Engine:
             self.scheduler.tier_loads.on_load = self._note_load
         self.pin_calls = PinCalls(self.scheduler, cfg.disable_radix_cache)
         self.clock: StepClock[PrefillSample] = StepClock(event_factory(r.device))
+        # Overlap scheduling: on where the device runs asynchronously (CUDA, or a simulated
+        # device on CPU), unless --disable-overlap-schedule; tensor parallelism waits for
+        # its collectives every step, so it runs without.
+        self.overlap = not cfg.disable_overlap_schedule and r.tp_lead is None and (
+            r.device.type == "cuda" or cfg.overlap_on_cpu)
+        self.device_queue: DeviceQueue | None = None  # a simulated device (bench, tests)
+        self.inflight: InFlight | None = None  # the overlapped step launched, not processed
+        self.num_overlapped_steps = 0  # launched before the step before was processed
 
     @property
     def info(self) -> dict[str, Any]:
@@ -131,10 +140,19 @@ class Engine:
         self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.inflight is not None or self.scheduler.has_work()
 
     def step(self) -> list[TokenOutput]:
+        if self.inflight is not None:
+            outputs = self._step_overlapped(self.inflight)
+            return self._end_step(outputs)
         batch = self.scheduler.schedule()
+        if batch is not None and self.overlap and batch.rows is not None and (
+                batch.rows.overlap_ok):
+            # The first step of an overlapped run: launched, its tokens read next step.
+            self.inflight = launch(self.runner, batch, None, self.device_queue)
+            self.scheduler.advance(batch)
+            return self._end_step(self.scheduler.drain_aborted())
         if batch is None:
             if self.scheduler.waiting_on_grammars():
                 self.grammars.wait_any(GRAMMAR_WAIT_S)
@@ -156,6 +174,23 @@ class Engine:
             self.scheduler.spec.observe_step(batch, outputs, time.perf_counter() - t0)
         for sample, seconds in self.clock.done():
             self._note_prefill(sample, seconds)
+        return self._end_step(outputs)
+
+    def _step_overlapped(self, prev: InFlight) -> list[TokenOutput]:
+        """Plan and launch the next decode step while `prev` runs, then process `prev`'s
+        tokens (engine/overlap.py); without a step to overlap, only `prev`'s."""
+        nxt = None
+        if self.scheduler.overlappable():
+            batch = self.scheduler.schedule()
+            assert batch is not None and batch.rows is not None, "a plain decode"
+            nxt = launch(self.runner, batch, prev, self.device_queue)
+            self.scheduler.advance(batch)
+            self.num_overlapped_steps += 1
+        self.inflight = nxt
+        return self.scheduler.process_outputs(prev.batch, prev.token_ids(), None,
+                                              advanced=True)
+
+    def _end_step(self, outputs: list[TokenOutput]) -> list[TokenOutput]:
         outputs = self.pin_calls.client_outputs(outputs)
         if self.tiers is not None:
             self.tiers.end_step()  # the step's tier work joins the step-wait histogram
@@ -198,6 +233,10 @@ class Engine:
         """Stop the tier threads and the tensor-parallel workers; with write-back, first write the pool's blocks to the local
         tier so that the next process starts warm (write-through already did), within
         --kv-offload-shutdown-timeout; what is not written by then is logged."""
+        while self.inflight is not None:  # its tokens are read and its request finished
+            self.step()
+        if self.device_queue is not None:
+            self.device_queue.close()
         if self.tiers is not None:
             self.tiers.persist(self.cache, self.cfg.kv_offload_shutdown_timeout)
             self.tiers.close()

@@ -273,7 +273,10 @@ class ModelRunner:
                 rows, self.model.backend.reads_shared_prefixes, self.device)
         reqs = rows.reqs
         dev = self.device
-        ids = [r.token_ids[p] for r, p in zip(reqs, pos, strict=True)]
+        # A token still in flight (overlap scheduling: the step before sampled it on the
+        # device) is a placeholder here, filled on the device (overlap.resolve_pending).
+        ids = [r.token_ids[p] if p < len(r.token_ids) else 0
+               for r, p in zip(reqs, pos, strict=True)]
         slots = [r.slots[p] for r, p in zip(reqs, pos, strict=True)]
         back = [(reqs[i].table_row, first, reqs[i].slots[first : pos[i]])
                 for i, first in batch.lagging.items()]
@@ -297,13 +300,7 @@ class ModelRunner:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
-        key = self.graphs.key_for(batch) if self.graphs is not None else None
-        if self.tp_lead is not None:
-            logits = self.tp_lead.forward(inputs, self.forward_eager)
-        elif self.graphs is not None and key is not None:
-            logits = self.graphs.forward(key, inputs)
-        else:
-            logits = self.forward_eager(inputs)
+        logits = self.logits(batch, inputs)
         if batch.rows is not None:  # a plain decode step: one token per running request
             return self.sampler.sample(logits, batch.rows.reqs,
                                        plain=batch.rows.plain_sampling)
@@ -312,6 +309,15 @@ class ModelRunner:
             return SampleResult([], [])
         drafts = [e.draft for e in picked] if batch.has_drafts else None
         return self.sampler.sample(logits, [e.req for e in picked], drafts)
+
+    def logits(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
+        """The forward of prepared inputs: the tensor-parallel group, a CUDA graph or eager."""
+        key = self.graphs.key_for(batch) if self.graphs is not None else None
+        if self.tp_lead is not None:
+            return self.tp_lead.forward(inputs, self.forward_eager)
+        if self.graphs is not None and key is not None:
+            return self.graphs.forward(key, inputs)
+        return self.forward_eager(inputs)
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
         """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""
