@@ -195,10 +195,11 @@ class ModelRunner:
                     size.num_slots / self.max_model_len)
         return size
 
-    def prepare(self, batch: Batch) -> StepInputs:
-        """Flatten the batch into ragged inputs and write its slots into the slot table."""
+    def prepare(self, batch: Batch, placeholders: bool = False) -> StepInputs:
+        """Flatten the batch into ragged inputs and write its slots into the slot table.
+        `placeholders`: a plain decode whose input ids the device fills (overlap.py)."""
         if batch.rows is not None:
-            return self._prepare_decode(batch)
+            return self._prepare_decode(batch, placeholders)
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
@@ -261,7 +262,7 @@ class ModelRunner:
             table_back=table_back,
         )
 
-    def _prepare_decode(self, batch: Batch) -> StepInputs:
+    def _prepare_decode(self, batch: Batch, placeholders: bool = False) -> StepInputs:
         """A plain decode step: one token per running request. What stays fixed while the
         running set does (rows, offsets, shared prefixes) is built once per set (DecodeRows)
         and kept; a step builds only its token ids, positions and new slots."""
@@ -273,10 +274,9 @@ class ModelRunner:
                 rows, self.model.backend.reads_shared_prefixes, self.device)
         reqs = rows.reqs
         dev = self.device
-        # A token still in flight (overlap scheduling: the step before sampled it on the
-        # device) is a placeholder here, filled on the device (overlap.resolve_pending).
-        ids = [r.token_ids[p] if p < len(r.token_ids) else 0
-               for r, p in zip(reqs, pos, strict=True)]
+        # Overlap scheduling: every token is still in flight (the step before sampled it on
+        # the device); the ids are filled there (overlap.resolve_pending).
+        ids = [] if placeholders else [r.token_ids[p] for r, p in zip(reqs, pos, strict=True)]
         slots = [r.slots[p] for r, p in zip(reqs, pos, strict=True)]
         back = [(reqs[i].table_row, first, reqs[i].slots[first : pos[i]])
                 for i, first in batch.lagging.items()]
@@ -293,8 +293,9 @@ class ModelRunner:
             own_start_cpu=fixed.own_start_cpu)
         table_back = back_writes(back, dev)
         write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
-        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
-                          fixed.arange, table_back)
+        ids_t = (torch.empty(len(pos), dtype=torch.int64, device=dev) if placeholders
+                 else torch.tensor(ids, dtype=torch.int64, device=dev))  # (B,)
+        return StepInputs(ids_t, positions_t, meta, fixed.arange, table_back)
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an

@@ -92,7 +92,8 @@ def launch(runner: ModelRunner, batch: Batch, prev: InFlight | None,
     device, its placeholders filled from `prev`'s tokens there. Returns without a host sync."""
     rows = batch.rows
     assert rows is not None and rows.overlap_ok
-    inputs = runner.prepare(batch)  # host work: positions, slots, the slot table
+    # Host work: positions, slots, the slot table; the ids on the device after `prev`.
+    inputs = runner.prepare(batch, placeholders=prev is not None)
 
     def device_work(prev_tokens: torch.Tensor | None) -> torch.Tensor:  # (B,)
         if prev is not None and prev_tokens is not None:

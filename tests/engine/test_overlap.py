@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from radixserve import LLM, Constraint, SamplingParams
+from radixserve.cli import build_config, build_parser
 from radixserve.config import EngineConfig
 from radixserve.engine.overlap import DeviceQueue
 from radixserve.ipc.messages import GenerateMsg
-from radixserve.cli import build_config, build_parser
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 9, 17, 30, 12, 44, 20, 21)]
 

@@ -10,12 +10,11 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
 import torch
-
-import importlib
 
 import radixserve.attention.triton_backend as tb
 from radixserve.attention.triton_backend import TritonAttentionBackend
