@@ -37,11 +37,13 @@ def step_ms(model: str, batch: int, steps: int, device_ms: float, overlap: bool)
     from radixserve.types import SamplingParams
 
     llm = LLM(model=model, dtype="float32", device="cpu", num_threads=1,
-              max_running_requests=batch, kv_cache_tokens=max(batch, 4) * 512, max_model_len=512,
+              max_running_requests=batch, kv_cache_tokens=max(batch, 4) * 512,
+              max_model_len=512,
               max_prefill_tokens=batch * 16, chunked_prefill_size=0,
               overlap_on_cpu=overlap, disable_overlap_schedule=not overlap)
     engine = llm.engine
-    engine.runner.model.forward = _sleeping_forward(device_ms / 1e3)
+    # NOTE: the bench patches the model instance (no second model class for one bench)
+    engine.runner.model.forward = _sleeping_forward(device_ms / 1e3)  # type: ignore[method-assign]
     if overlap:
         engine.device_queue = DeviceQueue()
     params = SamplingParams(temperature=0, max_tokens=steps + WARM_STEPS + 4, ignore_eos=True)

@@ -68,9 +68,9 @@ class InFlight:
             return result
         if self.event is not None and self.host is not None:
             self.event.synchronize()
-            return self.host.tolist()  # type: ignore[no-any-return]
+            return self.host.tolist()
         assert self.tokens is not None
-        return self.tokens.tolist()  # type: ignore[no-any-return]
+        return self.tokens.tolist()
 
 
 def resolve_pending(input_ids: torch.Tensor, rows: DecodeRows, prev: DecodeRows,
@@ -111,6 +111,6 @@ def launch(runner: ModelRunner, batch: Batch, prev: InFlight | None,
         return InFlight(batch, rows, tokens)
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     return InFlight(batch, rows, tokens, None, host, event)

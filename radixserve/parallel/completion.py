@@ -67,7 +67,7 @@ class CollectiveTimer:
     def start(self) -> object:
         """A token for stop(): an event recorded now (CUDA) or the host clock."""
         if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             ev.record()
             return ev
         return time.perf_counter()
@@ -77,7 +77,7 @@ class CollectiveTimer:
         if isinstance(token, float):
             self._seconds += time.perf_counter() - token
             return
-        end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end.record()
         assert isinstance(token, torch.cuda.Event)
         self._pending.append((token, end))
@@ -87,7 +87,7 @@ class CollectiveTimer:
         synchronous)."""
         if not self._cuda:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record()
         return ev
 
@@ -95,7 +95,7 @@ class CollectiveTimer:
     def seconds(self) -> float:
         still: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         for a, b in self._pending:
-            if b.query():
+            if b.query():  # type: ignore[no-untyped-call]
                 self._seconds += a.elapsed_time(b) / 1e3
             else:
                 still.append((a, b))

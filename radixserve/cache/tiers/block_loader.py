@@ -83,7 +83,7 @@ class CudaSideStreams:
 
     def mark(self) -> object:
         """On the submitting (engine) thread: an event after the compute stream's queue."""
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         return event
 
