@@ -88,10 +88,10 @@ class _Timed:
 
 def instrument(llm: LLM, clock: StepClock) -> None:
     engine, model = llm.engine, llm.engine.runner.model
-    for layer in model.layers:
-        layer.qkv = _Timed(layer.qkv, clock)  # type: ignore[assignment]
-        layer.o_proj = _Timed(layer.o_proj, clock)  # type: ignore[assignment]
-        layer.mlp = _Timed(layer.mlp, clock)  # type: ignore[assignment]
+    for layer in model.layers:  # the Llama-shaped layers' linear parts (families/llama.py)
+        for part in ("qkv", "o_proj", "mlp"):
+            if hasattr(layer, part):
+                setattr(layer, part, _Timed(getattr(layer, part), clock))
     model.lm_head = _Timed(model.lm_head, clock)  # type: ignore[assignment]
     model.backend.forward = clock.wrap("attention", model.backend.forward)  # type: ignore[method-assign]
     model.forward = clock.wrap("forward", model.forward)  # type: ignore[method-assign]

@@ -9,6 +9,7 @@ internals (bench/common/step_profile.py drives decode steps; gpu_models.py build
     python -m bench.gpu --models qwen3-moe    # issue 39's MoE shape (64 experts, top-8)
     python -m bench.gpu --models smollm2-135m --batches 1,64 --no-hf   # quicker
     python -m bench.gpu --eager               # also radixserve with --enforce-eager
+    python -m bench.gpu --no-overlap          # also radixserve --disable-overlap-schedule
 
 bf16, 256 input and 128 output tokens per request, ignore_eos, greedy. Output tok/s counts
 output tokens over the whole generate call (prefill included, as the issue's table did);
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="vocabulary of the llama-1b shape (default 49152; 128256: Llama-3.2's)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
     ap.add_argument("--eager", action="store_true", help="also radixserve --enforce-eager")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="also radixserve --disable-overlap-schedule (overlap is on by default)")
     ap.add_argument("--out-dir", default=".", help="writes bench_gpu.json and bench_gpu.md")
     return ap.parse_args(argv)
 
@@ -88,7 +91,7 @@ def prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]
 
 
 def run_radixserve(path: Path, args: argparse.Namespace, vocab: int, eager: bool,
-                   log: dict[str, Any]) -> dict[int, float]:
+                   log: dict[str, Any], no_overlap: bool = False) -> dict[int, float]:
     """Output tok/s per batch size; the decode-step profiles go into log['profile']."""
     import torch
 
@@ -100,7 +103,7 @@ def run_radixserve(path: Path, args: argparse.Namespace, vocab: int, eager: bool
     t0 = time.perf_counter()
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=seq + 64,
               kv_cache_tokens=most * (seq + 16) + 4096, max_running_requests=most,
-              enforce_eager=eager)
+              enforce_eager=eager, disable_overlap_schedule=no_overlap)
     log["startup_s"] = round(time.perf_counter() - t0, 2)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -155,11 +158,13 @@ def bench_model(name: str, args: argparse.Namespace, hbm_gbps: float) -> dict[st
                               "floor_tok_s_batch1": 1 / floor_s, "rows": {}}
     with tempfile.TemporaryDirectory(prefix=f"bench-gpu-{name}-") as tmp:
         path = save_model(shape, Path(tmp), args.input_len + args.output_len + 512)
-        modes = [("radixserve", False)] + ([("radixserve --enforce-eager", True)]
-                                           if args.eager else [])
-        for label, eager in modes:
+        modes = [("radixserve", False, False)]
+        modes += [("radixserve --enforce-eager", True, False)] if args.eager else []
+        modes += ([("radixserve --disable-overlap-schedule", False, True)]
+                  if args.no_overlap else [])
+        for label, eager, no_overlap in modes:
             log: dict[str, Any] = {}
-            rates = run_radixserve(path, args, shape.vocab, eager, log)
+            rates = run_radixserve(path, args, shape.vocab, eager, log, no_overlap)
             result["rows"][label] = {"tok_s": rates, **log}
         if not args.no_hf:
             result["rows"]["HF generate"] = {"tok_s": run_hf(path, args, shape.vocab)}

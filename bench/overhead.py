@@ -4,6 +4,7 @@ the engine's own Python (scheduling, input building, sampling, output processing
     python -m bench.overhead                         # CPU, batches 1, 64, 256
     python -m bench.overhead --device cuda
     python -m bench.overhead --baseline /tmp/base    # another source tree, side by side
+    python -m bench.overhead --simulated-device-ms 5 # overlap on/off over a 5 ms forward
 
 Decode: B requests (16-token prompts, greedy, ignore_eos) are admitted and prefilled, then
 `--steps` decode steps are timed (the whole `Engine.step()`, and the model forward inside it);
@@ -193,6 +194,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", help="another source tree (containing radixserve/)")
+    ap.add_argument("--simulated-device-ms", type=float, default=None,
+                    help="replace the forward by a wait of this many ms on a simulated "
+                         "asynchronous device: step time with and without overlap")
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)  # the worker's: built here
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -202,6 +206,15 @@ def main() -> None:
         here = Path(__file__).resolve().parent
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         print(json.dumps(worker(args)))
+        return
+    if args.simulated_device_ms is not None:
+        from bench.simulated_device import report as simulated
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = str(build_model(Path(tmp)))
+            batches = [int(b) for b in args.batches.split(",")]
+            print("\n".join(simulated(model, batches, args.steps, args.simulated_device_ms,
+                                       args.rounds)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         args.model = str(build_model(Path(tmp)))

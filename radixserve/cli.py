@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no prefix caching")
     serve.add_argument("--enforce-eager", action="store_true", default=None,
                        help="no CUDA graphs: every step runs eagerly")
+    serve.add_argument("--disable-overlap-schedule", action="store_true", default=None,
+                       help="plan each step after the last one's tokens are back (overlap "
+                            "scheduling is on by default on CUDA)")
     serve.add_argument("--enable-kv-events", action="store_true", default=None,
                        help="publish cache block events on GET /kv_events")
     serve.add_argument("--shared-cache", action="store_true", default=None,
@@ -214,8 +217,10 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> ServerCon
         return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
     engine_names = [f for _, _, f, _ in _ENGINE_FLAGS] + [
-        "tensor_parallel_size", "enable_expert_parallel", "disable_radix_cache", "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
-        "structured_outputs_allow_additional_properties", "enforce_eager"]
+        "tensor_parallel_size", "enable_expert_parallel", "disable_radix_cache",
+        "enable_kv_events", "max_pinned_tokens", "mixed_chunk",
+        "structured_outputs_allow_additional_properties", "enforce_eager",
+        "disable_overlap_schedule"]
     engine_kwargs = given(engine_names)
     engine_kwargs["lora"] = _lora_config(args, environ)
     kv_zmq = None

@@ -184,9 +184,11 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), best first
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenOutput:
-    """One new token (or a finish without one, on abort) for one request."""
+    """One new token (or a finish without one, on abort) for one request. Treated as
+    immutable; not frozen because a decode step builds one per running request and a frozen
+    dataclass's __init__ costs ~5x a plain one's (host work per request per step)."""
 
     rid: str
     token_id: int | None

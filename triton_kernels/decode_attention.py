@@ -41,10 +41,13 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 
 
-@triton.jit
+# NOTE: the split count is a runtime argument, never specialized: it follows the batch size,
+# and a constexpr would compile one variant per batch size an eager server meets (up to
+# MAX_SPLITS of them, each a compile while serving). The buffers' split stride is MAX_SPLITS.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse, k_scale, v_scale,
-    qk_scale, softcap2, stride_qb, stride_qh, stride_table,
+    qk_scale, softcap2, stride_qb, stride_qh, stride_table, num_splits,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -58,7 +61,7 @@ def _decode_split_kernel(
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(seq_len - WINDOW, 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -102,9 +105,9 @@ def _decode_split_kernel(
              mask=mask_g[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    mid_o, mid_lse, seq_lens, out, stride_ob, stride_oh,
+    mid_o, mid_lse, seq_lens, out, stride_ob, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
@@ -113,11 +116,11 @@ def _decode_merge_kernel(
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     if WINDOW > 0:  # the split kernel's range: the window's keys
         seq_len = tl.minimum(seq_len, WINDOW)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    valid = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)  # chunk 0 always valid
+    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)  # chunk 0 always valid
     base = (b.to(tl.int64) * NUM_Q_HEADS + h) * NUM_SPLITS
     lse = tl.load(mid_lse + base + offs_s, mask=valid, other=float("-inf"))  # (S,)
     o = tl.load(mid_o + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
@@ -143,12 +146,23 @@ def decode_config(device: torch.device, dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(64, 8)
 
 
-def default_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough stage-1 programs for ~4 per SM; depends only on shapes (CUDA-graph safe)."""
+def num_sms(device: torch.device) -> int | None:
+    """The device's SM count (None off CUDA). Callers on a hot path keep it: the query
+    costs host time per call."""
     if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def splits_for(batch_size: int, num_kv_heads: int, sms: int | None) -> int:
+    """Enough stage-1 programs for ~4 per SM; depends only on shapes (CUDA-graph safe)."""
+    if sms is None:
         return 4
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-4 * num_sms // (batch_size * num_kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-4 * sms // (batch_size * num_kv_heads))))
+
+
+def default_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    return splits_for(batch_size, num_kv_heads, num_sms(device))
 
 
 def decode_attention(
@@ -166,28 +180,39 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     window: int | None = None,  # sliding window: the last `window` positions only
     softcap: float | None = None,  # scores s -> softcap * tanh(s / softcap)
+    check: bool = True,
 ) -> torch.Tensor:  # (B, q_heads, head_dim)
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over K_b = k_cache[slot_table[rows[b],
     lo:seq_lens[b]], h // group] with lo = max(0, seq_lens[b] - window) (0 without a window),
     an 8-bit cache times k_scale / v_scale of the KV head, a soft-cap applied to the scaled
     scores. Accumulates in fp32; the current token's K/V must be stored. window and softcap
-    are per-layer constants (window compiles into the kernel: CUDA-graph safe)."""
+    are per-layer constants (window compiles into the kernel: CUDA-graph safe).
+    `check=False`: skip the operand checks (a caller that checked the same shapes, dtypes and
+    devices already: the model's later layers)."""
     batch = q.shape[0]
-    num_q_heads, num_kv_heads, head_dim, quant = check_paged_operands(
-        q, k_cache, v_cache, k_scale, v_scale, slot_table, rows, batch)
-    check_index("seq_lens", seq_lens, batch, q.device)
+    if check:
+        num_q_heads, num_kv_heads, head_dim, quant = check_paged_operands(
+            q, k_cache, v_cache, k_scale, v_scale, slot_table, rows, batch)
+        check_index("seq_lens", seq_lens, batch, q.device)
+    else:
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, quant = k_cache.shape[1], k_scale is not None
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    check_out(out, (batch, num_q_heads, head_dim), q)
+    if check:
+        check_out(out, (batch, num_q_heads, head_dim), q)
     if batch == 0:
         return out
-    check_launchable(_decode_split_kernel, q.device)
+    if check:
+        check_launchable(_decode_split_kernel, q.device)
     splits = num_splits or default_num_splits(batch, num_kv_heads, q.device)
-    assert 1 <= splits <= 64, f"num_splits {splits} out of [1, 64]"
+    assert 1 <= splits <= MAX_SPLITS, f"num_splits {splits} out of [1, {MAX_SPLITS}]"
     group = num_q_heads // num_kv_heads
-    mid_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32,
+    # (B, q_heads, MAX_SPLITS, ...): the split stride is fixed, so is the compiled kernel.
+    mid_o = torch.empty((batch, num_q_heads, MAX_SPLITS, head_dim), dtype=torch.float32,
                         device=q.device)
-    mid_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_q_heads, MAX_SPLITS), dtype=torch.float32,
+                          device=q.device)
     precision, upcast = dot_flags(q.device, q.dtype)
     cfg = decode_config(q.device, q.dtype)
     bd = block_d(head_dim)
@@ -195,15 +220,15 @@ def decode_attention(
         q, k_cache, v_cache, slot_table, rows, seq_lens, mid_o, mid_lse,
         k_scale if quant else mid_lse, v_scale if quant else mid_lse,
         scale * LOG2E, (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1), slot_table.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+        splits, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=MAX_SPLITS,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=bd, BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision, UPCAST=upcast, QUANT=quant, WINDOW=window or 0,
         SOFTCAP=softcap is not None, num_warps=cfg.num_warps, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=bd, BLOCK_N=cfg.block_n, WINDOW=window or 0,
+        mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1), splits,
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=MAX_SPLITS,
+        BLOCK_S=MAX_SPLITS, BLOCK_D=bd, BLOCK_N=cfg.block_n, WINDOW=window or 0,
         num_warps=4 if head_dim >= 128 else 2,
     )
     return out

@@ -142,5 +142,6 @@ class StoredKVAttention(Protocol):
         *,
         window: int | None = None,  # as in AttentionBackend.forward
         softcap: float | None = None,
+        check: bool = True,  # False: operands as the first layer's, already checked
     ) -> torch.Tensor:  # (T, num_q_heads, head_dim)
         ...

@@ -17,6 +17,7 @@ from radixserve.attention.base import AttentionMetadata, check_window_softcap
 from radixserve.attention.kv_quant import KVScale
 from radixserve.types import Phase
 from triton_kernels import decode_attention, extend_attention, store_kv
+from triton_kernels.decode_attention import MAX_SPLITS, num_sms, splits_for
 
 
 class TritonAttentionBackend:
@@ -26,9 +27,11 @@ class TritonAttentionBackend:
     reads_shared_prefixes = False
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
-        if num_kv_splits is not None and not 1 <= num_kv_splits <= 64:
-            raise ValueError(f"num_kv_splits must be in [1, 64], got {num_kv_splits}")
+        if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
+            raise ValueError(f"num_kv_splits must be in [1, {MAX_SPLITS}], got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
+        # The device's SM count, asked once (a per-layer query costs host time every step).
+        self._sms: dict[torch.device, int | None] = {}
 
     def forward(
         self,
@@ -60,14 +63,22 @@ class TritonAttentionBackend:
         *,
         window: int | None = None,
         softcap: float | None = None,
+        check: bool = True,
     ) -> torch.Tensor:  # (T, Hq, D)
+        """`check=False`: the decode kernel skips its operand checks (the model's later
+        layers, whose operands have the first layer's shapes, dtypes and devices)."""
         check_window_softcap(window, softcap)
         ks, vs = (None, None) if kv_scale is None else kv_scale
         if meta.phase is Phase.DECODE:
+            splits = self.num_kv_splits
+            if splits is None:
+                if q.device not in self._sms:
+                    self._sms[q.device] = num_sms(q.device)
+                splits = splits_for(q.shape[0], k_cache.shape[1], self._sms[q.device])
             return decode_attention(
                 q, k_cache, v_cache, meta.slot_table, meta.rows, meta.seq_lens, scale,
-                num_splits=self.num_kv_splits, k_scale=ks, v_scale=vs, window=window,
-                softcap=softcap,
+                num_splits=splits, k_scale=ks, v_scale=vs, window=window, softcap=softcap,
+                check=check,
             )
         return extend_attention(
             q, k_cache, v_cache, meta.slot_table, meta.rows, meta.prefix_lens,

@@ -71,6 +71,11 @@ class EngineConfig:
     # --enforce-eager captures none. Accepted on CPU, where no graph is used.
     cuda_graph_max_bs: int = 256
     enforce_eager: bool = False
+    # Overlap scheduling (engine/overlap.py), SGLang's flag: on by default where the device
+    # runs asynchronously (CUDA); `overlap_on_cpu` turns it on over a CPU device (tests, and
+    # bench.overhead's simulated device), where a forward is synchronous.
+    disable_overlap_schedule: bool = False
+    overlap_on_cpu: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     enable_kv_events: bool = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,32 @@ logger = logging.getLogger(__name__)
 # bs * (K + 1) token rows, so large ones cost capture time for steps that rarely come.
 MAX_VERIFY_BS = 64
 WARMUP_RUNS = 2  # eager runs before each capture: Triton compiles, cuBLAS picks its kernels
+
+
+def _capture_errors() -> tuple[type[BaseException], ...]:
+    """What a bucket's capture may raise and the server survive: CUDA's and Triton's own
+    (OutOfResources, CompilationError: a kernel config that does not fit this GPU)."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:  # no Triton: only torch's errors
+        return (RuntimeError, AssertionError)
+    return (RuntimeError, AssertionError, TritonError)
+
+
+def capture_each(keys: Iterable[GraphKey], capture_one: Callable[[GraphKey], None]
+                 ) -> dict[GraphKey, str]:
+    """Capture every key in order; a key whose capture fails is left out (its batches run
+    eagerly over the padded buffers) and the others are still captured. Returns the failures."""
+    failed: dict[GraphKey, str] = {}
+    errors = _capture_errors()
+    for key in keys:
+        try:
+            capture_one(key)
+        except errors as err:
+            failed[key] = f"{type(err).__name__}: {err}"
+            logger.warning("CUDA graphs: %s batch %d not captured, runs eagerly: %s",
+                           key.kind.value, key.bs, failed[key])
+    return failed
 
 
 @dataclass(frozen=True)
@@ -129,6 +156,7 @@ class CudaGraphRunner:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         # Steps that went through the padded buffers (replayed, or eager when not captured).
         self.num_steps = dict.fromkeys(GraphKind, 0)
+        self.failed: dict[GraphKey, str] = {}  # buckets whose capture failed: run eagerly
 
     def key_for(self, batch: Batch) -> GraphKey | None:
         return graph_key(self.plan, batch)
@@ -162,20 +190,27 @@ class CudaGraphRunner:
         mempool = torch.cuda.graph_pool_handle()
         device = self.logits.device
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        buckets = [(GraphKind.VERIFY, s) for s in self.plan.verify_sizes]
-        buckets += [(GraphKind.DECODE, s) for s in self.plan.decode_sizes]
-        # Most token rows first: smaller graphs reuse what the larger left in the pool.
-        for kind, bs in sorted(buckets, key=lambda b: -b[1] * self.static[b[0]].stride):
-            static = self.static[kind]
+        keys = [GraphKey(GraphKind.VERIFY, s) for s in self.plan.verify_sizes]
+        keys += [GraphKey(GraphKind.DECODE, s) for s in self.plan.decode_sizes]
+
+        def capture_one(key: GraphKey) -> None:
+            static = self.static[key.kind]
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
-                    self._run(static, bs, None)
+                    self._run(static, key.bs, None)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
-                self._run(static, bs, None)
-            self.graphs[GraphKey(kind, bs)] = graph
+            try:
+                with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+                    self._run(static, key.bs, None)
+            finally:
+                torch.cuda.synchronize(device)
+            self.graphs[key] = graph
+
+        # Most token rows first: smaller graphs reuse what the larger left in the pool.
+        keys.sort(key=lambda k: -k.bs * self.static[k.kind].stride)
+        self.failed = capture_each(keys, capture_one)
         torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 

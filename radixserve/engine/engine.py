@@ -21,7 +21,9 @@ from radixserve.cache.tiers.kv_tiers import KVTiers
 from radixserve.config import EngineConfig
 from radixserve.engine.lora_calls import LoRACalls
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.overlap import DeviceQueue, InFlight, launch
 from radixserve.engine.pin_calls import PinCalls
+from radixserve.engine.step_clock import StepClock, event_factory
 from radixserve.engine.tiers_setup import build_tiers, pool_medium
 from radixserve.grammar.backend import GrammarBackend
 from radixserve.grammar.compiler import GrammarCompiler
@@ -53,6 +55,15 @@ class RequestTiming:
     prefill_tokens: int = 0
     load_seconds: float = 0.0  # the tier load that brought its prefix into the pool
     load_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    """A prefill step's shape, for the timing its device time is booked against."""
+
+    num_tokens: int
+    mean_pos: float  # the mean position of its new tokens
+    prefills: tuple[tuple[str, int], ...]  # (rid, new prompt tokens) of its prefill entries
 
 
 def _grammar_backend(hf_dir: Path, vocab_size: int, eos_ids: tuple[int, ...],
@@ -97,6 +108,15 @@ class Engine:
         if self.scheduler.tier_loads is not None:
             self.scheduler.tier_loads.on_load = self._note_load
         self.pin_calls = PinCalls(self.scheduler, cfg.disable_radix_cache)
+        self.clock: StepClock[PrefillSample] = StepClock(event_factory(r.device))
+        # Overlap scheduling: on where the device runs asynchronously (CUDA, or a simulated
+        # device on CPU), unless --disable-overlap-schedule; tensor parallelism waits for
+        # its collectives every step, so it runs without.
+        self.overlap = not cfg.disable_overlap_schedule and r.tp_lead is None and (
+            r.device.type == "cuda" or cfg.overlap_on_cpu)
+        self.device_queue: DeviceQueue | None = None  # a simulated device (bench, tests)
+        self.inflight: InFlight | None = None  # the overlapped step launched, not processed
+        self.num_overlapped_steps = 0  # launched before the step before was processed
 
     @property
     def info(self) -> dict[str, Any]:
@@ -139,10 +159,20 @@ class Engine:
         self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.lora_calls.busy()
+        return (self.inflight is not None or self.scheduler.has_work()
+                or self.lora_calls.busy())
 
     def step(self) -> list[TokenOutput]:
+        if self.inflight is not None:
+            outputs = self._step_overlapped(self.inflight)
+            return self._end_step(outputs)
         batch = self.scheduler.schedule()
+        if batch is not None and self.overlap and batch.rows is not None and (
+                batch.rows.overlap_ok):
+            # The first step of an overlapped run: launched, its tokens read next step.
+            self.inflight = launch(self.runner, batch, None, self.device_queue)
+            self.scheduler.advance(batch)
+            return self._end_step(self.scheduler.drain_aborted())
         if batch is None:
             if self.scheduler.waiting_on_grammars():
                 self.grammars.wait_any(GRAMMAR_WAIT_S)
@@ -155,10 +185,34 @@ class Engine:
             outputs = self.scheduler.drain_aborted()
         else:
             t0 = time.perf_counter()
+            # The tiers' prefill cost model reads the device's time (CUDA events), not the
+            # host's: a CUDA chunk that samples nothing returns before the GPU finished.
+            sample = self._prefill_sample(batch)
+            start = self.clock.start() if sample is not None else None
             result = self.runner.run(batch)
-            self._note_step(batch, time.perf_counter() - t0)
+            if start is not None and sample is not None:
+                self.clock.stop(start, sample)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)
             self.scheduler.spec.observe_step(batch, outputs, time.perf_counter() - t0)
+        for sample, seconds in self.clock.done():
+            self._note_prefill(sample, seconds)
+        return self._end_step(outputs)
+
+    def _step_overlapped(self, prev: InFlight) -> list[TokenOutput]:
+        """Plan and launch the next decode step while `prev` runs, then process `prev`'s
+        tokens (engine/overlap.py); without a step to overlap, only `prev`'s."""
+        nxt = None
+        if self.scheduler.overlappable():
+            batch = self.scheduler.schedule()
+            assert batch is not None and batch.rows is not None, "a plain decode"
+            nxt = launch(self.runner, batch, prev, self.device_queue)
+            self.scheduler.advance(batch)
+            self.num_overlapped_steps += 1
+        self.inflight = nxt
+        return self.scheduler.process_outputs(prev.batch, prev.token_ids(), None,
+                                              advanced=True)
+
+    def _end_step(self, outputs: list[TokenOutput]) -> list[TokenOutput]:
         outputs = self.pin_calls.client_outputs(outputs)
         self.lora_calls.poll()
         if self.tiers is not None:
@@ -168,20 +222,28 @@ class Engine:
     def flush_cache(self, include_pins: bool = False) -> bool:
         return self.scheduler.flush_cache(include_pins)
 
-    def _note_step(self, batch: Batch, seconds: float) -> None:
-        """The engine's own prefill timings: the tiers' prefill rate, and per request the
-        seconds of the steps that computed its prompt (a step's time shared by tokens)."""
+    def _prefill_sample(self, batch: Batch) -> PrefillSample | None:
+        """What a prefill step's timing will be booked against (read before the step's
+        outputs move the requests on); None when nothing reads it."""
         if self.tiers is None or batch.phase is Phase.DECODE:
-            return  # tiers off: nothing reads the timings, so a step pays nothing for them
+            return None  # tiers off: nothing reads the timings, so a step pays nothing for them
         # The prefill cost model's sample: the step's tokens and their mean position.
         pos = sum(e.num_new_tokens * (e.req.num_computed_tokens + e.num_new_tokens / 2)
                   for e in batch.entries)
-        self.tiers.note_prefill(batch.num_tokens, pos / batch.num_tokens, seconds)
-        for i, entry in enumerate(batch.entries):
-            if batch.is_prefill(i):
-                t = self.timings.setdefault(entry.req.rid, RequestTiming())
-                t.prefill_seconds += seconds * entry.num_new_tokens / batch.num_tokens
-                t.prefill_tokens += entry.num_new_tokens
+        prefills = tuple((e.req.rid, e.num_new_tokens) for i, e in enumerate(batch.entries)
+                         if batch.is_prefill(i))
+        return PrefillSample(batch.num_tokens, pos / batch.num_tokens, prefills)
+
+    def _note_prefill(self, sample: PrefillSample, seconds: float) -> None:
+        """The engine's own prefill timings: the tiers' prefill rate, and per request the
+        seconds of the steps that computed its prompt (a step's time shared by tokens)."""
+        if self.tiers is None:
+            return
+        self.tiers.note_prefill(sample.num_tokens, sample.mean_pos, seconds)
+        for rid, n in sample.prefills:
+            t = self.timings.setdefault(rid, RequestTiming())
+            t.prefill_seconds += seconds * n / sample.num_tokens
+            t.prefill_tokens += n
         while len(self.timings) > MAX_TIMINGS:
             del self.timings[next(iter(self.timings))]
 
@@ -194,6 +256,10 @@ class Engine:
         """Stop the tier threads and the tensor-parallel workers; with write-back, first write the pool's blocks to the local
         tier so that the next process starts warm (write-through already did), within
         --kv-offload-shutdown-timeout; what is not written by then is logged."""
+        while self.inflight is not None:  # its tokens are read and its request finished
+            self.step()
+        if self.device_queue is not None:
+            self.device_queue.close()
         if self.tiers is not None:
             self.tiers.persist(self.cache, self.cfg.kv_offload_shutdown_timeout)
             self.tiers.close()

@@ -106,13 +106,17 @@ class _AmaxRecorder:
 @contextlib.contextmanager
 def _recording(model: CausalLM) -> Iterator[_AmaxRecorder]:
     # NOTE: swaps the model's backend for the one calibration forward (start-up, before any
-    # request); restored whatever happens.
+    # request); restored whatever happens. The fused loop (CUDA) stores K/V inside its RoPE
+    # kernel and only asks the backend to attend, so the recorder would see nothing: the
+    # calibration forward takes the model's own loop, which hands every layer's K/V to
+    # backend.forward (same K/V: the fused and unfused loops agree, test_fused_forward.py).
     recorder = _AmaxRecorder(model.backend)
-    model.backend = recorder
+    fused = model.fused
+    model.backend, model.fused = recorder, False
     try:
         yield recorder
     finally:
-        model.backend = recorder.inner
+        model.backend, model.fused = recorder.inner, fused
 
 
 def _prefill_meta(n: int, device: torch.device) -> AttentionMetadata:

@@ -38,6 +38,7 @@ from radixserve.model.quantization.config import read_quant_config, resolve_quan
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
+from radixserve.parallel.devices import bind_rank_device
 from radixserve.platform.cpu_isa import CpuIsaError, choose_tier
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
@@ -60,6 +61,7 @@ def resolve_device_dtype(cfg: EngineConfig, local_rank: int = 0
         device = torch.device(cfg.device)
     if device.type == "cuda" and cfg.tensor_parallel_size > 1:
         device = torch.device("cuda", local_rank)
+        bind_rank_device(device, cfg.tensor_parallel_size // cfg.nnodes)
     if cfg.dtype == "auto":
         choice = choose_auto_dtype(device, cpu_flags())
         logger.info("%s", choice.describe())
@@ -216,10 +218,11 @@ class ModelRunner:
                     size.num_slots / self.max_model_len)
         return size
 
-    def prepare(self, batch: Batch) -> StepInputs:
-        """Flatten the batch into ragged inputs and write its slots into the slot table."""
+    def prepare(self, batch: Batch, placeholders: bool = False) -> StepInputs:
+        """Flatten the batch into ragged inputs and write its slots into the slot table.
+        `placeholders`: a plain decode whose input ids the device fills (overlap.py)."""
         if batch.rows is not None:
-            return self._prepare_decode(batch)
+            return self._prepare_decode(batch, placeholders)
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
@@ -283,7 +286,7 @@ class ModelRunner:
             lora=lora_batch(reqs, extend_lens, len(ids), False, self.lora_slots),
         )
 
-    def _prepare_decode(self, batch: Batch) -> StepInputs:
+    def _prepare_decode(self, batch: Batch, placeholders: bool = False) -> StepInputs:
         """A plain decode step: one token per running request. What stays fixed while the
         running set does (rows, offsets, shared prefixes) is built once per set (DecodeRows)
         and kept; a step builds only its token ids, positions and new slots."""
@@ -295,7 +298,9 @@ class ModelRunner:
                 rows, self.model.backend.reads_shared_prefixes, self.device)
         reqs = rows.reqs
         dev = self.device
-        ids = [r.token_ids[p] for r, p in zip(reqs, pos, strict=True)]
+        # Overlap scheduling: every token is still in flight (the step before sampled it on
+        # the device); the ids are filled there (overlap.resolve_pending).
+        ids = [] if placeholders else [r.token_ids[p] for r, p in zip(reqs, pos, strict=True)]
         slots = [r.slots[p] for r, p in zip(reqs, pos, strict=True)]
         back = [(reqs[i].table_row, first, reqs[i].slots[first : pos[i]])
                 for i, first in batch.lagging.items()]
@@ -312,23 +317,16 @@ class ModelRunner:
             own_start_cpu=fixed.own_start_cpu)
         table_back = back_writes(back, dev)
         write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
-        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, meta,
-                          fixed.arange, table_back,
-                          lora_batch(reqs, fixed.ones_cpu, len(ids), True, self.lora_slots))
+        ids_t = (torch.empty(len(pos), dtype=torch.int64, device=dev) if placeholders
+                 else torch.tensor(ids, dtype=torch.int64, device=dev))  # (B,)
+        return StepInputs(ids_t, positions_t, meta, fixed.arange, table_back,
+                          lora_batch(reqs, fixed.ones_cpu, len(pos), True, self.lora_slots))
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an
         entry with a draft: one per position it computes, its verification)."""
         inputs = self.prepare(batch)
-        # Steps with adapter rows run eagerly (the graphs hold the base model's forward).
-        key = (self.graphs.key_for(batch) if self.graphs is not None and inputs.lora is None
-               else None)
-        if self.tp_lead is not None:
-            logits = self.tp_lead.forward(inputs, self.forward_eager)
-        elif self.graphs is not None and key is not None:
-            logits = self.graphs.forward(key, inputs)
-        else:
-            logits = self.forward_eager(inputs)
+        logits = self.logits(batch, inputs)
         if batch.rows is not None:  # a plain decode step: one token per running request
             return self.sampler.sample(logits, batch.rows.reqs,
                                        plain=batch.rows.plain_sampling)
@@ -337,6 +335,17 @@ class ModelRunner:
             return SampleResult([], [])
         drafts = [e.draft for e in picked] if batch.has_drafts else None
         return self.sampler.sample(logits, [e.req for e in picked], drafts)
+
+    def logits(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
+        """The forward of prepared inputs: the tensor-parallel group, a CUDA graph or eager.
+        Steps with adapter rows run eagerly (the graphs hold the base model's forward)."""
+        key = (self.graphs.key_for(batch) if self.graphs is not None and inputs.lora is None
+               else None)
+        if self.tp_lead is not None:
+            return self.tp_lead.forward(inputs, self.forward_eager)
+        if self.graphs is not None and key is not None:
+            return self.graphs.forward(key, inputs)
+        return self.forward_eager(inputs)
 
     def forward_eager(self, inputs: StepInputs) -> torch.Tensor:  # (N, vocab) float32
         """The model over the pool, eagerly (on a tensor-parallel worker: its shard)."""

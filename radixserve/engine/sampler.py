@@ -84,12 +84,26 @@ class Sampler:
         token_ids = self._choose(logits, row_reqs, offsets)
         return SampleResult(token_ids, self._logprobs(raw, row_reqs, token_ids))
 
+    def sample_tensor(self, logits: torch.Tensor, reqs: list[Req], plain: bool
+                      ) -> torch.Tensor:  # (R,) int64 on the logits' device
+        """One token per row, left on the device (an overlapped step: no host sync). Only for
+        requests whose sampling reads no host state that the step before may change: no
+        grammar, penalties, min_tokens, seed or logprobs (DecodeRows.overlap_ok)."""
+        if plain:
+            return _greedy(logits)
+        return self._choose_tensor(logits, reqs, [0] * len(reqs))
+
     def _choose(self, logits: torch.Tensor, reqs: list[Req], offsets: list[int]) -> list[int]:
         """`offsets[i]`: how many draft tokens row i's position lies past reqs[i]'s tokens."""
+        result: list[int] = self._choose_tensor(logits, reqs, offsets).tolist()
+        return result
+
+    def _choose_tensor(self, logits: torch.Tensor, reqs: list[Req], offsets: list[int]
+                       ) -> torch.Tensor:  # (R,)
         params = [r.params for r in reqs]
         if all(p.greedy and not p.needs_penalties and p.min_tokens == 0 and not p.logit_bias
                for p in params):
-            return _greedy(logits).tolist()
+            return _greedy(logits)
         logits = logits.clone()
         _add_logit_bias(logits, reqs)
         for i, r in enumerate(reqs):
@@ -107,7 +121,7 @@ class Sampler:
             probs = self._filtered_probs(logits[rows], [reqs[i] for i in sampled_rows])
             token_ids[rows] = self._draw(probs, [reqs[i] for i in sampled_rows],
                                          [offsets[i] for i in sampled_rows])
-        return token_ids.tolist()
+        return token_ids
 
     def _apply_penalties(self, row: torch.Tensor, req: Req) -> None:
         p = req.params

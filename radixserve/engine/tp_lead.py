@@ -52,6 +52,10 @@ class TPLead:
                 self.comm.send_header(StepKind.FORWARD, payload.numel())
                 self.comm.send_payload(payload)
                 logits = run(inputs)
+                # NCCL returns when the collectives are queued: wait for them here, asking
+                # the monitor meanwhile, so a dead or hung rank raises now, not in the
+                # sampler's copy to the host (which nothing can interrupt).
+                self.comm.wait(self.workers.check)
         except RuntimeError as err:
             raise self.workers.error_for(err) from err
         self.steps += 1

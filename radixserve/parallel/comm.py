@@ -20,10 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from radixserve.parallel.completion import CollectiveTimer, wait_done
+
 # A backstop for a rank that hangs without dying (a dead rank's closed sockets fail the
 # collective at once): generous, since a large prefill chunk or a slow load runs between
 # collectives of the other ranks.
 COLLECTIVE_TIMEOUT_S = 300.0
+PING_TIMEOUT_S = 30.0  # an idle ping is one tiny broadcast: a peer that misses it hangs
 HEADER_LEN = 2  # (kind, payload length)
 _JOINED = "radixserve/tp_joined"  # the store's count of workers that reached rank 0
 
@@ -65,22 +68,36 @@ class TPComm:
                                 timeout=timeout)
         self.lock = threading.Lock()  # rank 0: one step's collectives, or one heartbeat
         self.last_used = time.monotonic()
-        self.collective_seconds = 0.0  # inside collectives, since start
-        self.num_collectives = 0
+        self.timer = CollectiveTimer(device)  # inside collectives, since start
 
     @property
     def is_lead(self) -> bool:
         return self.rank == 0
 
-    def _timed(self, t0: float) -> None:
-        now = time.monotonic()
-        self.collective_seconds += time.perf_counter() - t0
-        self.num_collectives += 1
-        self.last_used = now
+    @property
+    def collective_seconds(self) -> float:
+        return self.timer.seconds
+
+    @property
+    def num_collectives(self) -> int:
+        return self.timer.count
+
+    def _timed(self, t0: object) -> None:
+        self.timer.stop(t0)
+        self.last_used = time.monotonic()
+
+    def wait(self, check: Callable[[], None], timeout_s: float = COLLECTIVE_TIMEOUT_S,
+             what: str = "collectives") -> None:
+        """Block until everything queued so far ran (NCCL queues collectives and returns);
+        `check` runs meanwhile and raises when a peer is known dead; CollectiveTimeout past
+        `timeout_s`. Immediate on gloo, whose collectives are synchronous."""
+        done = self.timer.done_event()
+        if done is not None:
+            wait_done(done, check, timeout_s, what)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits)."""
-        t0 = time.perf_counter()
+        t0 = self.timer.start()
         dist.all_reduce(x)
         self._timed(t0)
         return x
@@ -88,7 +105,7 @@ class TPComm:
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Rank 0: the ranks' (N, vocab_per_rank) logits side by side, cut to (N, vocab);
         the other ranks: their own shard (nobody reads it)."""
-        t0 = time.perf_counter()
+        t0 = self.timer.start()
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_lead else None
         dist.gather(local.contiguous(), parts, dst=0)
         self._timed(t0)
@@ -104,13 +121,13 @@ class TPComm:
 
     def send_header(self, kind: StepKind, payload_len: int = 0) -> None:
         """Rank 0 (holding the lock): announce a step, a ping or the stop."""
-        t0 = time.perf_counter()
+        t0 = self.timer.start()
         header = torch.tensor([int(kind), payload_len], dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
         self._timed(t0)
 
     def send_payload(self, payload: torch.Tensor) -> None:
-        t0 = time.perf_counter()
+        t0 = self.timer.start()
         dist.broadcast(payload, src=0)
         self._timed(t0)
 
@@ -132,6 +149,9 @@ class TPComm:
             return
         try:
             self.send_header(StepKind.PING)
+            # Across nodes no sentinel tells rank 0 that a peer hangs: wait for the ping with
+            # a short deadline instead of NCCL's watchdog (COLLECTIVE_TIMEOUT_S).
+            self.wait(lambda: None, PING_TIMEOUT_S, "the idle ping")
         finally:
             self.lock.release()
 

@@ -36,6 +36,10 @@ class DecodeRows:
     # the sampler takes the argmax of the batch and nothing else.
     plain_sampling: bool
     any_spec: bool  # some request may draft (speculative decoding or a prediction)
+    # The next step may be scheduled and launched before this one's tokens reach the host
+    # (overlap scheduling): no request's sampling or drafting reads host state this step's
+    # token changes (grammar, penalties, min_tokens, seed, logprobs, drafts).
+    overlap_ok: bool
     # The vectorized stop test (outputs.py): a sampled token can end request i only if it is
     # in `stop_ids` (every request's stop and EOS ids), or the request reaches `limits[i]`
     # tokens, or `exact[i]` (a grammar or min_tokens: only the full rule decides).
@@ -58,6 +62,9 @@ def build_rows(reqs: list[Req], version: int, eos_ids: frozenset[int],
                            and q.min_tokens == 0 and q.logprobs is None
                            and r.grammar is None for q, r in zip(p, reqs, strict=True)),
         any_spec=any(r.spec is not None for r in reqs),
+        overlap_ok=all(r.grammar is None and r.spec is None and not q.needs_penalties
+                       and q.min_tokens == 0 and q.seed is None and q.logprobs is None
+                       and r.params.constraint is None for q, r in zip(p, reqs, strict=True)),
         stop_ids=np.fromiter(sorted(stops), dtype=np.int64, count=len(stops)),
         limits=np.array([min(r.num_prompt_tokens + r.max_new_tokens, max_model_len)
                          for r in reqs], dtype=np.int64).reshape(-1),

@@ -22,14 +22,27 @@ if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
 
 
+def advance(batch: Batch) -> None:
+    """An overlapped decode step was launched: its requests' KV now covers one more
+    position (whatever token it samples), so the next step can be planned before its tokens
+    reach the host; process_outputs(advanced=True) then only appends them."""
+    assert batch.rows is not None and not batch.rows.any_spec
+    for req in batch.rows.reqs:
+        if req.status is not ReqStatus.FINISHED:
+            req.num_computed_tokens += 1
+            req.num_table_slots = req.num_computed_tokens  # the runner wrote the table row
+
+
 def process_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
-                    logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
+                    logprobs: list[TokenLogprobs | None] | None = None,
+                    advanced: bool = False) -> list[TokenOutput]:
     """One token per sampled row: one per request with `sample` set, or 1 + len(draft)
-    for a request with a draft (its verification: speculative/acceptance.py)."""
+    for a request with a draft (its verification: speculative/acceptance.py). `advanced`:
+    a plain decode step that advance() already moved on (overlap scheduling)."""
     outputs = s.drain_aborted()
     s.counters.computed_tokens += batch.num_tokens
     if batch.rows is not None and not batch.rows.any_spec:
-        return outputs + _decode_outputs(s, batch, token_ids, logprobs)
+        return outputs + _decode_outputs(s, batch, token_ids, logprobs, advanced)
     sampled = iter(zip(token_ids, logprobs or [None] * len(token_ids), strict=True))
     for i, entry in enumerate(batch.entries):
         req = entry.req
@@ -58,7 +71,8 @@ def process_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
 
 
 def _decode_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
-                    logprobs: list[TokenLogprobs | None] | None) -> list[TokenOutput]:
+                    logprobs: list[TokenLogprobs | None] | None,
+                    advanced: bool = False) -> list[TokenOutput]:
     """A plain decode step (no request drafts): one token per running request. A token can
     end its request only if it is a stop/EOS id of some request, or the request reaches its
     length limit, or the request has a grammar or min_tokens: those go through the full
@@ -72,11 +86,12 @@ def _decode_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
     outputs: list[TokenOutput] = []
     lps = logprobs if logprobs is not None else [None] * len(token_ids)
     appended = 0
+    step = 0 if advanced else 1
     for req, token, check, lp in zip(rows.reqs, token_ids, full.tolist(), lps, strict=True):
-        req.num_computed_tokens += 1
+        req.num_computed_tokens += step
         req.num_table_slots = req.num_computed_tokens  # the runner wrote the table row
         if req.status is ReqStatus.FINISHED:
-            continue  # aborted while its forward ran
+            continue  # aborted (or finished one step earlier, overlapped) while it ran
         if check:
             outputs.append(_append(s, req, token, lp))
             continue

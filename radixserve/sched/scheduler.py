@@ -43,7 +43,7 @@ from radixserve.sched.counters import EngineCounters
 from radixserve.sched.decode import DecodeRows, build_rows, plan_decode
 from radixserve.sched.lora_gate import LoRAGate
 from radixserve.sched.memory import MemoryManager
-from radixserve.sched.outputs import process_outputs
+from radixserve.sched.outputs import advance, process_outputs
 from radixserve.sched.pins import PinTable
 from radixserve.sched.prefill import plan_prefill
 from radixserve.sched.req import Batch, Req, ReqStatus
@@ -277,9 +277,26 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------
 
     def process_outputs(self, batch: Batch, token_ids: list[int],
-                        logprobs: list[TokenLogprobs | None] | None = None) -> list[TokenOutput]:
+                        logprobs: list[TokenLogprobs | None] | None = None,
+                        advanced: bool = False) -> list[TokenOutput]:
         """One token per sampled row (outputs.py)."""
-        return process_outputs(self, batch, token_ids, logprobs)
+        return process_outputs(self, batch, token_ids, logprobs, advanced)
+
+    def advance(self, batch: Batch) -> None:
+        """An overlapped decode step was launched (outputs.advance)."""
+        advance(batch)
+
+    def overlappable(self) -> bool:
+        """The next step can be a plain decode planned while the last one still runs: no
+        prompt waits (prefill and mixed steps run after the last step's outputs), every
+        running request's sampling is exact without its last token (DecodeRows.overlap_ok),
+        and every one gets its next slot without preempting (a retraction must see the
+        request's tokens)."""
+        if self.waiting or self.prefilling or self.aborted or not self.running:
+            return False
+        if not self.decode_rows().overlap_ok:
+            return False
+        return self.mem.ensure_next_slots(self.running)
 
     def drain_aborted(self) -> list[TokenOutput]:
         """Outputs of requests that ended without a forward: aborted, or grammar failed."""

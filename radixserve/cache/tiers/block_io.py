@@ -91,8 +91,13 @@ class KVCodec:
         block = flat.view(self.shape)[:, :, skip:]  # (2, layers, BLOCK - skip, heads, dim)
         idx = torch.tensor(slots, dtype=torch.int64, device=self.k.device)
         dev = block.to(self.k.device, non_blocking=non_blocking)
-        self.k.index_copy_(1, idx, dev[0])
-        self.v.index_copy_(1, idx, dev[1])
+        # NOTE: torch has no index_copy_ for float8 (CPU or CUDA): an 8-bit pool takes the
+        # payload as bytes, as kv_quant.store writes it.
+        k, v = self.k, self.v
+        if k.element_size() == 1:
+            k, v, dev = k.view(torch.uint8), v.view(torch.uint8), dev.view(torch.uint8)
+        k.index_copy_(1, idx, dev[0])
+        v.index_copy_(1, idx, dev[1])
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,17 @@ which blocks to load or whether (kv_tiers.py and load_choice.py decide), files (
 A load writes into pages that a waiting request's load holds and nothing else reads until the
 load is done. On CUDA a block the host layer holds is one asynchronous copy from its pinned
 buffer on the thread's side stream; the stream is synchronized once, at the end of the load.
+The side stream first waits on an event recorded on the compute stream when the load was
+submitted: the pages may have belonged to a request aborted a moment ago whose last forward
+(its rope_qk_store into them) is still queued there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -70,34 +74,60 @@ class LoadDone:
 Payload = bytes | memoryview | torch.Tensor
 
 
+class CudaSideStreams:
+    """One side stream per loader thread; a load's stream waits on the compute stream's work
+    queued before the load was submitted."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def mark(self) -> object:
+        """On the submitting (engine) thread: an event after the compute stream's queue."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def side(self, after: object) -> Iterator[None]:
+        """On a loader thread: the copies queued inside run after `after`; on exit they are
+        complete (the pages are whole before the request runs)."""
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        assert isinstance(after, torch.cuda.Event)
+        stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+
+
 class TierLoader:
-    """Loads run on LOAD_WORKERS threads; the caller polls the future (never blocks a step)."""
+    """Loads run on LOAD_WORKERS threads; the caller polls the future (never blocks a step).
+    `streams`: the side streams (CUDA's by default on a CUDA pool; tests pass fakes)."""
 
     def __init__(self, codec: KVCodec, stores: dict[Tier, Store],
-                 pending: Callable[[Tier, str], torch.Tensor | None]) -> None:
+                 pending: Callable[[Tier, str], torch.Tensor | None],
+                 streams: CudaSideStreams | None = None) -> None:
         self._codec = codec
         self._stores = stores
         self._pending = pending
         self._pool = ThreadPoolExecutor(LOAD_WORKERS, thread_name_prefix="kv-loader")
         self._cuda = codec.k.device.type == "cuda"
-        self._local = threading.local()  # one side stream per loader thread (CUDA)
+        self._streams = streams if streams is not None or not self._cuda else CudaSideStreams()
 
     def submit(self, reads: list[BlockRead]) -> Future[LoadDone]:
-        return self._pool.submit(self._load, reads)
+        after = self._streams.mark() if self._streams is not None else None
+        return self._pool.submit(self._load, reads, after)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _load(self, reads: list[BlockRead]) -> LoadDone:  # on a loader thread
+    def _load(self, reads: list[BlockRead], after: object) -> LoadDone:  # on a loader thread
         t0 = time.perf_counter()
         done = LoadDone(0, 0, 0.0, 0)
-        if self._cuda:
-            stream = getattr(self._local, "stream", None)
-            if stream is None:
-                stream = self._local.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            with torch.cuda.stream(stream):
+        if self._streams is not None:
+            with self._streams.side(after):
                 self._read_all(reads, done)
-            stream.synchronize()  # the pages are complete before the request runs
         else:
             self._read_all(reads, done)
         done.seconds = time.perf_counter() - t0

@@ -105,5 +105,5 @@ class Attention:
         assert isinstance(backend, StoredKVAttention)
         q = qkv[:, : s.q_size].view(-1, s.num_heads, s.head_dim)  # (T, heads, D) rotated
         out = backend.attend(q, ctx.k_cache[i], ctx.v_cache[i], ctx.meta, s.scale, kv_scale,
-                             window=s.sliding_window, softcap=s.logit_softcap)
+                             window=s.sliding_window, softcap=s.logit_softcap, check=i == 0)
         return out.reshape(-1, s.q_size)
