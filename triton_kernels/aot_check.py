@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from triton_kernels.decode_attention import (
+    MAX_SPLITS,
     _decode_merge_kernel,
     _decode_split_kernel,
     decode_config,
@@ -83,7 +84,9 @@ def launches(c: Case) -> list[Launch]:
     block_r = max(ext.block_r, g_pad)
     scales = {"k_scale": "*fp32", "v_scale": "*fp32"}
     attn = {"q": t, "k_cache": kv, "v_cache": kv, "slot_table": "*i32", "rows": "*i64",
-            "qk_scale": "fp32", **scales}
+            "qk_scale": "fp32", "softcap2": "fp32", **scales}
+    # the cases with 3 KV heads compile the sliding-window and soft-capped variants (Gemma's)
+    window = {"WINDOW": 1024 if c.kv_heads == 3 else 0, "SOFTCAP": c.kv_heads == 3}
     return [
         Launch(_store_kv_kernel,
                {"k_cache": kv, "v_cache": kv, "k": t, "v": t, "slots": "*i64", **scales,
@@ -94,16 +97,19 @@ def launches(c: Case) -> list[Launch]:
                4, 3),
         Launch(_decode_split_kernel,
                {**attn, "seq_lens": "*i32", "mid_o": "*fp32", "mid_lse": "*fp32",
-                "stride_qb": "i32", "stride_qh": "i32", "stride_table": "i32"},
+                "stride_qb": "i32", "stride_qh": "i32", "stride_table": "i32",
+                "num_splits": "i32"},
                {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "HEAD_DIM": c.head_dim,
-                "NUM_SPLITS": 4, "BLOCK_G": max(16, g_pad), "BLOCK_D": bd,
-                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False, "QUANT": quant},
+                "NUM_SPLITS": MAX_SPLITS, "BLOCK_G": max(16, g_pad), "BLOCK_D": bd,
+                "BLOCK_N": dec.block_n, "DOT_PRECISION": prec, "UPCAST": False, "QUANT": quant,
+                **window},
                dec.num_warps, 2),
         Launch(_decode_merge_kernel,
                {"mid_o": "*fp32", "mid_lse": "*fp32", "seq_lens": "*i32", "out": t,
-                "stride_ob": "i32", "stride_oh": "i32"},
-               {"NUM_Q_HEADS": c.kv_heads * c.group, "HEAD_DIM": c.head_dim, "NUM_SPLITS": 4,
-                "BLOCK_S": 4, "BLOCK_D": bd, "BLOCK_N": dec.block_n}, 4, 2),
+                "stride_ob": "i32", "stride_oh": "i32", "num_splits": "i32"},
+               {"NUM_Q_HEADS": c.kv_heads * c.group, "HEAD_DIM": c.head_dim,
+                "NUM_SPLITS": MAX_SPLITS, "BLOCK_S": MAX_SPLITS, "BLOCK_D": bd,
+                "BLOCK_N": dec.block_n, "WINDOW": window["WINDOW"]}, 4, 2),
         Launch(_extend_kernel,
                {**attn, "prefix_lens": "*i32", "extend_lens": "*i32", "cu_extend": "*i32",
                 "out": t, "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
@@ -111,7 +117,7 @@ def launches(c: Case) -> list[Launch]:
                {"NUM_KV_HEADS": c.kv_heads, "GROUP": c.group, "G_PAD": g_pad,
                 "HEAD_DIM": c.head_dim, "BLOCK_R": block_r, "BLOCK_D": bd,
                 "BLOCK_M": block_r // g_pad, "BLOCK_N": ext.block_n, "DOT_PRECISION": prec,
-                "UPCAST": False, "QUANT": quant}, ext.num_warps, ext.num_stages),
+                "UPCAST": False, "QUANT": quant, **window}, ext.num_warps, ext.num_stages),
     ]
 
 
