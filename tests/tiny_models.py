@@ -87,8 +87,8 @@ def make_tiny_model(
             common["rope_scaling"] = rope_scaling
         model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
-        window = {"use_sliding_window": True, "sliding_window": sliding_window,
-                  "max_window_layers": 1} if sliding_window else {}
+        window: dict[str, Any] = {"use_sliding_window": True, "sliding_window": sliding_window,
+                                  "max_window_layers": 1} if sliding_window else {}
         model = Qwen2ForCausalLM(Qwen2Config(**common, **window))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
