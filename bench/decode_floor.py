@@ -80,6 +80,8 @@ class _Timed:
         self._call = clock.wrap("linear", inner.__call__)
         if hasattr(inner, "add_to"):
             self.add_to = clock.wrap("linear", inner.add_to)
+        if hasattr(inner, "into"):  # the row-parallel projection's fused residual add
+            self.into = clock.wrap("linear", inner.into)
         self.nbytes = getattr(inner, "nbytes", 0)
 
     def __call__(self, *args: Any) -> Any:
