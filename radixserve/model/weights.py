@@ -69,9 +69,10 @@ class ModelWeights:
 
 
 # Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model:
-# transformers 5 (and late 4.x) saves "model.language_model.*" beside a top-level lm_head,
-# older ones "language_model.model.*" and "language_model.lm_head.*". The vision tower and
-# projector keep their own names and are never read.
+# as released and as transformers saves it, "language_model.model.*" and
+# "language_model.lm_head.*"; with the model classes' own names (some re-saved checkpoints),
+# "model.language_model.*" beside a top-level lm_head. The vision tower and projector keep
+# their own names and are never read.
 _TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 
 

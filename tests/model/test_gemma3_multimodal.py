@@ -1,7 +1,8 @@
 """`Gemma3ForConditionalGeneration` (how Gemma 3 4B/12B/27B ship) served text-only: its
 language model's greedy fp32 tokens equal HF's conditional-generation model on text-only
-input, with the checkpoint in transformers 5's layout ("model.language_model.*") and in the
-older one ("language_model.model.*"); the vision weights are never read. A released
+input, with the checkpoint as released and as transformers saves it ("language_model.model.*",
+"vision_tower.*") and with the model classes' own names ("model.language_model.*"); the
+vision weights are never read. A released
 config.json's sparse `text_config` takes Gemma3TextConfig's defaults, as HF loads it.
 """
 
@@ -68,8 +69,9 @@ def _hf_text_only(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def _older_layout(src: Path, dst: Path) -> Path:
-    """The same checkpoint as transformers 4 (< 4.52) saved it."""
+def _module_layout(src: Path, dst: Path) -> Path:
+    """The same checkpoint with the model classes' own names ("model.language_model.*", a
+    top-level lm_head): transformers saves Gemma 3 as released ("language_model.model.*")."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -77,9 +79,9 @@ def _older_layout(src: Path, dst: Path) -> Path:
     state = {}
     for f in src.glob("*.safetensors"):
         for k, v in load_file(f).items():
-            k = k.replace("model.language_model.", "language_model.model.")
-            k = "language_model.lm_head.weight" if k == "lm_head.weight" else k
-            state[k.replace("model.vision_tower.", "vision_tower.")] = v
+            k = k.replace("language_model.model.", "model.language_model.")
+            k = k.replace("language_model.lm_head.", "lm_head.")
+            state[k.replace("vision_tower.", "model.vision_tower.", 1)] = v
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -87,14 +89,14 @@ def _older_layout(src: Path, dst: Path) -> Path:
 def test_text_only_matches_hf_conditional_generation_in_both_layouts(
         multimodal: Path, tmp_path: Path) -> None:
     keys = {k for f in multimodal.glob("*.safetensors") for k in load_file(f)}
-    assert any(k.startswith("model.language_model.") for k in keys)
-    assert any(k.startswith("model.vision_tower.") for k in keys)  # there, never read
+    assert any(k.startswith("language_model.model.") for k in keys)
+    assert any(k.startswith("vision_tower.") for k in keys)  # there, never read
     spec = read_model_spec(multimodal)
     assert isinstance(spec, GemmaArch) and spec.architecture == "Gemma3ForConditionalGeneration"
     assert spec.qk_norm and spec.window(0) == 8 and spec.window(1) is None
     prompts = random_prompts(LENGTHS, VOCAB)
     want = _hf_text_only(multimodal, prompts)
-    for folder in (multimodal, _older_layout(multimodal, tmp_path / "v4")):
+    for folder in (multimodal, _module_layout(multimodal, tmp_path / "renamed")):
         llm = LLM(model=str(folder), dtype="float32", kv_cache_tokens=1024)
         assert engine_tokens(llm, prompts) == want, folder
 
