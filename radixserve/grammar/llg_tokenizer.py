@@ -13,7 +13,9 @@ Does not know: grammars, requests, torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from copy import copy
 
 import llguidance
 from llguidance.hf import from_tokenizer
@@ -22,24 +24,32 @@ from transformers import PreTrainedTokenizerBase
 
 class TokenizerView:
     """What llguidance reads from a tokenizer object (its TokenizerWrapper protocol): every
-    token's bytes, the special ids, EOS and BOS, and a call that tokenizes text (llguidance
-    uses it to turn forced text into tokens)."""
+    token's bytes, the special ids, EOS and BOS, and a call that tokenizes text. llguidance
+    calls it on the decode path (the text a grammar forces next, about once per step of a
+    JSON schema), so it goes straight to the Rust tokenizer (no padding, no truncation, as
+    llguidance's own reader) and remembers the texts it has seen: schemas repeat them."""
 
     is_tokenizer_wrapper = True
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tokens: list[bytes],
                  special_token_ids: list[int], eos_token_id: int) -> None:
-        self._tokenizer = tokenizer
+        backend = copy(tokenizer.backend_tokenizer)  # type: ignore[attr-defined]
+        backend.no_padding()
+        backend.no_truncation()
+        self._backend = backend
         self.tokens = tokens
         self.special_token_ids = special_token_ids
         self.eos_token_id = eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
+        self._encode = functools.lru_cache(maxsize=4096)(self._encode_text)  # per view
+
+    def _encode_text(self, text: str) -> tuple[int, ...]:
+        return tuple(self._backend.encode(text, add_special_tokens=False).ids)
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        return list(self._encode(text))
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int
