@@ -23,8 +23,8 @@ from transformers import (
 
 from radixserve import LLM
 from radixserve.model.families.gemma import GemmaArch
-from radixserve.model.families.registry import parse_config, read_model_spec
-from radixserve.model.weights import text_model_name
+from radixserve.model.families.registry import family_of, parse_config, read_model_spec
+from radixserve.model.weights import load_weights, text_model_name
 from tests.model.test_families import engine_tokens
 from tests.model.test_parity import random_prompts
 from tests.tiny_models import make_tokenizer
@@ -95,10 +95,19 @@ def test_text_only_matches_hf_conditional_generation_in_both_layouts(
     assert isinstance(spec, GemmaArch) and spec.architecture == "Gemma3ForConditionalGeneration"
     assert spec.qk_norm and spec.window(0) == 8 and spec.window(1) is None
     prompts = random_prompts(LENGTHS, VOCAB)
-    want = _hf_text_only(multimodal, prompts)
-    for folder in (multimodal, _module_layout(multimodal, tmp_path / "renamed")):
-        llm = LLM(model=str(folder), dtype="float32", kv_cache_tokens=1024)
-        assert engine_tokens(llm, prompts) == want, folder
+    llm = LLM(model=str(multimodal), dtype="float32", kv_cache_tokens=1024)
+    assert engine_tokens(llm, prompts) == _hf_text_only(multimodal, prompts)
+    # the other layout reads the same tensors (so serves the same tokens)
+    names = family_of(spec.architecture).weight_names
+    cpu = torch.device("cpu")
+    a = load_weights(multimodal, spec, torch.float32, cpu, show_progress=False, names=names)
+    b = load_weights(_module_layout(multimodal, tmp_path / "renamed"), spec, torch.float32,
+                     cpu, show_progress=False, names=names)
+    for x, y in [(a.embed, b.embed), (a.final_norm, b.final_norm), (a.lm_head, b.lm_head),
+                 *[(la.qkv, lb.qkv) for la, lb in zip(a.layers, b.layers, strict=True)],
+                 *[(la.extra[k], lb.extra[k]) for la, lb in zip(a.layers, b.layers, strict=True)
+                   for k in la.extra]]:
+        assert torch.equal(x, y)
 
 
 def test_text_model_names_under_either_prefix() -> None:

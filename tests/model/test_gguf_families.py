@@ -55,8 +55,6 @@ def test_gguf_of_each_family_matches_hf_on_the_same_file(
     assert read_model_spec(converted).architecture == WANT_ARCH[case]
     llm = LLM(model=str(path), dtype="float32", kv_cache_tokens=1024)
     assert engine_tokens(llm, prompts) == want
-    assert engine_tokens(llm, prompts) == want  # from the radix tree
-    assert llm.kv_stats()["prefix_cache_hits"] > 0
 
 
 def _with(src: Path, dst: Path, extra: dict[str, float | int],
