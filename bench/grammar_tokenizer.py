@@ -60,7 +60,8 @@ def main() -> None:
     tok = load_tokenizer(resolve_model(args.model).hf_dir)
     vocab, eos = len(tok), [tok.eos_token_id]
     views: dict[str, Callable[[], Any]] = {
-        "llguidance.hf": lambda: from_tokenizer(tok, n_vocab=vocab, eos_token=eos),
+        "llguidance.hf": lambda: from_tokenizer(tok, n_vocab=vocab,  # type: ignore[arg-type]
+                                                eos_token=eos),
         "llg_tokenizer": lambda: llg_tokenizer(tok, vocab, eos)}
     build: dict[str, list[float]] = {k: [] for k in views}
     fill: dict[str, list[float]] = {k: [] for k in views}

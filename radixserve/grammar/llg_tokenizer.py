@@ -33,7 +33,7 @@ class TokenizerView:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tokens: list[bytes],
                  special_token_ids: list[int], eos_token_id: int) -> None:
-        backend = copy(tokenizer.backend_tokenizer)  # type: ignore[attr-defined]
+        backend = copy(tokenizer.backend_tokenizer)
         backend.no_padding()
         backend.no_truncation()
         self._backend = backend
