@@ -91,14 +91,26 @@ def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     out = (cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         directory, name = str(gguf_path.parent), gguf_path.name
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32")
+        try:
+            # the metadata alone first: a file the conversion would get wrong is refused
+            # before its tensors are read
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+            refuse_dropped_gguf_fields(gguf_path, config.to_dict())
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                         dtype="float32")
+        except (ValueError, KeyError, RuntimeError, NotImplementedError) as err:
+            if isinstance(err, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{gguf_path}: transformers' GGUF reader cannot load it "
+                                 f"({type(err).__name__}: {err}); serve the model's HF "
+                                 "checkpoint instead") from None
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
         try:
@@ -109,6 +121,52 @@ def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# GGUF keys (after "<arch>.") that transformers' reader reads for only some families, and the
+# config key each must equal after conversion: where it does not read one it keeps the config
+# class's default, right for some checkpoints (Gemma 2 9B's soft-caps) and wrong for others.
+_CHECKED_KEYS = {"attn_logit_softcapping": "attn_logit_softcapping",
+                "final_logit_softcapping": "final_logit_softcapping",
+                "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}
+
+
+def _rotary_dims(config: dict[str, Any]) -> int:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    return int(head_dim * partial)
+
+
+def refuse_dropped_gguf_fields(gguf_path: Path, config: dict[str, Any]) -> None:
+    """ModelLoadError where the GGUF states what transformers' reader did not carry into
+    `config` (the model it converted would silently differ from the file's): rope scaling
+    (Gemma 3 4B+'s linear factor, YaRN), LongRoPE factor tensors (Phi-3.5 / Phi-4-mini),
+    partial rotary, soft-caps, head_dim or sliding window other than the defaults it kept."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    fields = {k: v.contents() for k, v in reader.fields.items()
+              if not k.startswith(("GGUF.", "tokenizer."))}  # the vocabulary: not needed
+    arch = fields["general.architecture"]
+    stated = {k.removeprefix(arch + "."): v for k, v in fields.items()}
+    where = f"{gguf_path}: transformers' GGUF reader, which converts it, drops"
+    fix = "serve the model's HF checkpoint instead"
+    scaling = stated.get("rope.scaling.type", "none")
+    if scaling != "none" or stated.get("rope.scaling.factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{where} its rope scaling ({scaling}, factor "
+                             f"{stated.get('rope.scaling.factor')}); {fix}")
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise ModelLoadError(f"{where} its LongRoPE factors (rope_factors_* tensors); {fix}")
+    rotary = stated.get("rope.dimension_count")
+    if rotary is not None and int(rotary) != _rotary_dims(config):
+        raise ModelLoadError(f"{where} its partial rotary ({rotary} rotary dimensions, "
+                             f"converted as {_rotary_dims(config)}); {fix}")
+    for key, name in _CHECKED_KEYS.items():
+        if key in stated and config.get(name) is not None and \
+                abs(float(stated[key]) - float(config[name])) > 1e-6:
+            raise ModelLoadError(f"{where} its {key} ({stated[key]}, converted as "
+                                 f"{config[name]}); {fix}")
 
 
 def _save_plain(model: Any, out: Path) -> None:

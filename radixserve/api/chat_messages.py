@@ -31,12 +31,24 @@ _FIELDS = {
 }
 
 
+# Content parts of OpenAI's (and vLLM's) multimodal chat: refused by name, since the engine
+# serves text models (a multimodal checkpoint such as Gemma3ForConditionalGeneration runs its
+# language model alone, as vLLM does when no image is sent).
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds",
+                          "input_audio", "audio_url", "video_url", "file"})
+
+
 def _text(content: Any, where: str) -> str:
     """A string, or OpenAI's list of text parts joined by newlines."""
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in _MEDIA_PARTS:
+                raise bad(f"'{where}.content[{i}]' is of type {kind!r}: this server takes text "
+                          "only (a multimodal model runs its language model alone); send "
+                          "text parts", f"{where}.content")
+            if not (isinstance(part, dict) and kind == "text"
                     and isinstance(part.get("text"), str)):
                 raise bad(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": str}}"
                           " (other content types are not supported)", f"{where}.content")

@@ -1,10 +1,11 @@
 """The grammar backend: compile a Constraint against the tokenizer; per-sequence matchers.
 
-Owns: the llguidance tokenizer view, CompiledGrammar (a matcher in its start state, cloned for
-each sequence) and Matcher (one sequence's position in its grammar: fill its row of the batch
-bitmask, accept a token, may it end, is it terminated, roll back).
-Does not know: requests, batches, the scheduler, HTTP. Compilation may be slow (hundreds of ms
-for big schemas): callers run `compile` off the step loop (compiler.py).
+Owns: CompiledGrammar (a matcher in its start state, cloned for each sequence) and Matcher
+(one sequence's position in its grammar: fill its row of the batch bitmask, accept a token,
+may it end, is it terminated, roll back).
+Does not know: requests, batches, the scheduler, HTTP, how llguidance's view of the tokenizer
+is built (llg_tokenizer.py). Compilation may be slow (hundreds of ms for big schemas):
+callers run `compile` off the step loop (compiler.py).
 
 Bitmask layout (llguidance's and xgrammar's): int32 (batch, ceil(vocab / 32)); bit j of word w
 set <=> token 32 * w + j is allowed. EOS is set only where the grammar may end.
@@ -16,11 +17,11 @@ from dataclasses import dataclass
 
 import llguidance
 import torch
-from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from radixserve.constraints import Constraint
 from radixserve.grammar.grammar_text import grammar_text
+from radixserve.grammar.llg_tokenizer import llg_tokenizer
 
 
 class GrammarError(ValueError):
@@ -92,8 +93,7 @@ class GrammarBackend:
                  ) -> None:
         self.vocab_size = vocab_size
         self.allow_additional_properties = allow_additional_properties  # grammar_text.py
-        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size,  # type: ignore[arg-type]
-                                        eos_token=list(eos_token_ids))
+        self.tokenizer = llg_tokenizer(tokenizer, vocab_size, eos_token_ids)
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         try:

@@ -68,9 +68,25 @@ class ModelWeights:
     lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
 
 
+# Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model:
+# as released and as transformers saves it, "language_model.model.*" and
+# "language_model.lm_head.*"; with the model classes' own names (some re-saved checkpoints),
+# "model.language_model.*" beside a top-level lm_head. The vision tower and projector keep
+# their own names and are never read.
+_TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+
+
+def text_model_name(key: str) -> str:
+    """A checkpoint key as the text model's name, without "model." (the names _load reads)."""
+    for prefix in _TEXT_MODEL_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key.removeprefix("model.")
+
+
 class _Checkpoint:
-    """The checkpoint's tensors by name (without the "model." prefix), read one at a time,
-    whole or one slice of rows/columns (a tensor-parallel rank reads only its shard)."""
+    """The checkpoint's tensors by the text model's names (text_model_name), read one at a
+    time, whole or one slice of rows/columns (a tensor-parallel rank reads only its shard)."""
 
     def __init__(self, hf_dir: Path, stack: ExitStack) -> None:
         files = sorted(hf_dir.glob("*.safetensors"))
@@ -81,7 +97,7 @@ class _Checkpoint:
         self.where: dict[str, tuple[Any, str]] = {}  # name -> (open file, key)
         for f in files:
             sf = stack.enter_context(safe_open(str(f), framework="pt"))
-            self.where.update((k.removeprefix("model."), (sf, k)) for k in sf.keys())
+            self.where.update((text_model_name(k), (sf, k)) for k in sf.keys())
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None
              ) -> torch.Tensor:

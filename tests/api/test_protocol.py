@@ -198,3 +198,17 @@ def test_logit_bias() -> None:
                          ({"1": 100.5}, "[-100, 100]"), ({"1": -1e308}, "[-100, 100]")]:
         message = bad(parse_completion, {"prompt": "a", "logit_bias": value}, "logit_bias")
         assert words in message, (value, message)
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])
+def test_a_media_content_part_is_a_named_400(part: dict[str, Any]) -> None:
+    """A multimodal checkpoint (Gemma3ForConditionalGeneration) is served text-only: an image
+    (or audio) part is refused by its type, not read as text nor ignored."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                      part]}]}
+    message = bad(parse_chat, body, "messages[0].content")
+    assert f"'messages[0].content[1]' is of type {part['type']!r}" in message
+    assert "text only" in message

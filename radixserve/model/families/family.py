@@ -27,7 +27,8 @@ class Features:
     int8: bool = True
     fp8_kv: bool = True
     sliding_window: bool = False
-    # GGUF: "tested" (a GGUF of it is served in the tests: the default SmolLM2), "reader"
+    # GGUF: "tested" (a GGUF of it is served in the tests: the default SmolLM2, the tiny
+    # GGUFs of tests/model/test_gguf_families.py), "reader"
     # (transformers' GGUF reader knows the architecture, so model_source.py converts it; no
     # GGUF of it is in the tests), "" (no)
     gguf: str = "reader"

@@ -1,10 +1,13 @@
 """Gemma 2 and Gemma 3 (text): four norms per layer, `(1 + w)` RMSNorm, embeddings scaled by
 sqrt(hidden), GELU-tanh, query_pre_attn_scalar, sliding and global layers (Gemma 3: its own
 rope base on sliding layers), attention and final logit soft-capping (Gemma 2), QK-norm
-(Gemma 3).
+(Gemma 3). `Gemma3ForConditionalGeneration` (how Gemma 3 4B/12B/27B ship: a `text_config`
+and a vision tower) is served text-only, as vLLM does when no image is sent: its language
+model, read from `text_config` with transformers' defaults for what that leaves out; the
+vision weights are never read (weights.py finds the language model's under its prefixes).
 
 Owns: GemmaLayer's order and the Gemma config fields (GemmaArch). Does not know: kernels
-(layers/), checkpoint layout beyond the names below.
+(layers/), checkpoint layout beyond the names below, images (the API refuses them).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from radixserve.model.layers.norm import Residual, RMSNorm
 from radixserve.model.weights import ModelWeights, WeightNames
 from radixserve.model_source import ModelLoadError
 
-GEMMA3 = ("Gemma3ForCausalLM",)
+MULTIMODAL_GEMMA3 = "Gemma3ForConditionalGeneration"
+GEMMA3 = ("Gemma3ForCausalLM", MULTIMODAL_GEMMA3)
 _ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu_tanh"}
 
 
@@ -103,7 +107,27 @@ def _gemma_types(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, 
     return tuple(FULL if i % 2 else SLIDING for i in range(num_layers))  # Gemma 2
 
 
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3's language model config, as transformers loads it: `text_config`
+    with Gemma3TextConfig's defaults for what it leaves out (a released config.json states
+    only a few keys there), and the model's EOS ids and embedding tying, which the top level
+    states for the whole model."""
+    from transformers import Gemma3TextConfig
+
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{MULTIMODAL_GEMMA3} config.json has no text_config object")
+    given = {k: v for k, v in text.items() if k not in ("model_type", "architectures")}
+    out: dict[str, Any] = Gemma3TextConfig(**given).to_dict()
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
+
+
 def parse_gemma(arch: str, cfg: dict[str, Any]) -> ModelArch:
+    if arch == MULTIMODAL_GEMMA3:
+        cfg = text_model_config(cfg)
     cfg = {**cfg, "head_dim": cfg.get("head_dim") or 256}
     fields = common_fields(arch, cfg)
     fields["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
@@ -139,7 +163,7 @@ def _final_softcap(spec: ModelArch) -> float | None:
 _HEAD = HeadOptions(embed_scale=_embed_scale, final_softcap=_final_softcap,
                     gemma_final_norm=True)
 GEMMA2 = Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), parse_gemma, gemma_layers,
-                WeightNames(extra=NORMS), _HEAD, Features(sliding_window=True))
+                WeightNames(extra=NORMS), _HEAD, Features(sliding_window=True, gguf="tested"))
 GEMMA3_FAMILY = Family("gemma3", GEMMA3, ("gemma3_text",), parse_gemma, gemma_layers,
                        WeightNames(extra=(*NORMS, "self_attn.q_norm", "self_attn.k_norm")),
-                       _HEAD, Features(sliding_window=True))
+                       _HEAD, Features(sliding_window=True, gguf="tested"))

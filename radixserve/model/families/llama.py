@@ -95,4 +95,4 @@ LLAMA = Family("llama", ("LlamaForCausalLM",), ("llama",), parse_llama, llama_la
 MISTRAL = Family("mistral", ("MistralForCausalLM",), ("mistral",), parse_llama, llama_layers,
                  features=Features(sliding_window=True))
 QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), parse_llama, llama_layers,
-               features=Features(sliding_window=True))
+               features=Features(sliding_window=True, gguf="tested"))

@@ -30,4 +30,4 @@ def parse_phi3(arch: str, cfg: dict[str, Any]) -> ModelArch:
 
 PHI3 = Family("phi3", ("Phi3ForCausalLM",), ("phi3",), parse_phi3, llama_layers,
               WeightNames(fused_qkv="self_attn.qkv_proj", fused_gate_up="mlp.gate_up_proj"),
-              features=Features(sliding_window=True))
+              features=Features(sliding_window=True, gguf="tested"))

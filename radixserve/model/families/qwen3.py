@@ -22,4 +22,4 @@ def parse_qwen3(arch: str, cfg: dict[str, Any]) -> ModelArch:
 
 QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), parse_qwen3, llama_layers,
                WeightNames(extra=("self_attn.q_norm", "self_attn.k_norm")),
-               features=Features(sliding_window=True))
+               features=Features(sliding_window=True, gguf="tested"))

@@ -7,8 +7,6 @@ Does not know: how tokens are produced (ServerState and choice_stream.py), messa
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
@@ -23,7 +21,14 @@ from radixserve.api.tools.parsers import CallFormat
 from radixserve.server.app_state import PREVIEW_FIELD, ServerState, read_json
 from radixserve.server.choice_stream import ChoiceChunk
 from radixserve.server.error_responses import json_response
-from radixserve.server.routes.openai import Usage, chat_logprobs, start_request, with_prediction
+from radixserve.server.routes.openai import (
+    ResponseObject,
+    Usage,
+    chat_logprobs,
+    response_base,
+    start_request,
+    with_prediction,
+)
 from radixserve.server.sse import write_sse
 
 # Tokens of the prompt's end decoded to see whether the template left <think> open: the
@@ -82,8 +87,7 @@ async def _chat_events(state: ServerState, jobs: list[ChoiceJob],
     with no choices and the usage. return_token_ids: the prompt's ids on a choice's first
     chunk (on the choice, which the router reads, and on the chunk, as vLLM), then each
     chunk's generated ids."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name}
+    base = response_base(state, jobs, ResponseObject.CHAT_CHUNK)
     usage = Usage(jobs)
     readers: dict[int, ChoiceReader] = {}
     async with aclosing(chunks) as stream:
@@ -144,9 +148,7 @@ async def _collect_chat(state: ServerState, jobs: list[ChoiceJob],
         if ids:
             choice["token_ids"] = token_ids[i]
         choices.append(choice)
-    body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name,
-            "choices": choices,
+    body = {**response_base(state, jobs, ResponseObject.CHAT), "choices": choices,
             "usage": usage.body()}
     if ids:
         body["prompt_token_ids"] = list(jobs[0].prompt_ids)

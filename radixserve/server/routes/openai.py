@@ -8,6 +8,7 @@ chat messages and their tool calls and reasoning (chat.py).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -23,6 +24,23 @@ from radixserve.server.choice_stream import ChoiceChunk
 from radixserve.server.error_responses import json_response
 from radixserve.server.sse import write_sse
 from radixserve.types import TokenLogprobs
+
+
+class ResponseObject(enum.Enum):
+    """OpenAI's `object` of a response or a stream chunk, with its id's prefix."""
+
+    COMPLETION = ("cmpl", "text_completion")  # whole and streamed alike
+    CHAT = ("chatcmpl", "chat.completion")
+    CHAT_CHUNK = ("chatcmpl", "chat.completion.chunk")
+
+
+def response_base(state: ServerState, jobs: list[ChoiceJob],
+                  kind: ResponseObject) -> dict[str, Any]:
+    """The fields every response and chunk of one request starts with: a fresh id, `object`,
+    `created`, and `model` (the LoRA adapter's name where the request named one)."""
+    prefix, obj = kind.value
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+            "model": jobs[0].lora_name or state.model_name}
 
 
 class Usage:
@@ -133,8 +151,7 @@ async def _completion_events(state: ServerState, jobs: list[ChoiceJob],
                              want_lp: bool, ids: bool = False, with_usage: bool = True
                              ) -> AsyncGenerator[dict[str, Any], None]:
     """Completion chunks, then (`with_usage`) a last event with no choices and the usage."""
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": jobs[0].lora_name or state.model_name}
+    base = response_base(state, jobs, ResponseObject.COMPLETION)
     usage = Usage(jobs)
     lp_builders: dict[int, CompletionLogprobs] = {}
     async with aclosing(chunks) as stream:
