@@ -42,8 +42,9 @@ def make_model(path: Path, layers: int) -> Path:
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+            p.data = p.data.normal_(0.0, 0.02).bfloat16()
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
 
