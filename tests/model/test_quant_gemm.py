@@ -1,6 +1,7 @@
 """The native CPU GEMM on quantized weights (csrc/quant_gemm.cpp) and QuantLinear's paths
 against dequantize-then-matmul in float64: int4 / int8 / fp8, group and per-channel scales,
-partial groups and channel blocks at the edges, fp32 and bf16 activations, act-order."""
+partial groups and channel blocks at the edges, odd K and odd groups, every row-count path,
+fp32 and bf16 activations, act-order; under each CPU tier this host executes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from radixserve.model.quantization.qweight import QWeight, quantize_fp8, quantiz
 
 CPU = torch.device("cpu")
 
+# every test under each CPU tier this host executes (tests/conftest.py's cpu_tier)
+pytestmark = pytest.mark.usefixtures("cpu_tier")
+
 
 def _weights(n: int, k: int, group: int, seed: int) -> list[QWeight]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
@@ -25,8 +29,9 @@ def _weights(n: int, k: int, group: int, seed: int) -> list[QWeight]:
             quantize_fp8(w), quantize_fp8(w, group)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def gemm() -> object:
+    """The op at the test's tier (cpu_tier set $RADIXSERVE_CPU_ISA before this runs)."""
     op = load_quant_gemm()
     if op is None:
         pytest.skip("the native CPU kernels are unavailable here")
@@ -44,6 +49,25 @@ def test_kernel_matches_dequantize_then_matmul(gemm: object, m: int, n: int, k: 
         ref = quant_gemm_reference(x, q)
         assert y.shape == (m, n) and y.dtype == torch.float32
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4, msg=q.kind.name)
+
+
+# N off the 16-channel block; K odd (int4's padded pair) and off the group; an odd group
+# (int4 pairs straddle groups: the plain loops); rows through the decode blocks (1-5: a
+# partial row tile), the L1-scratch path (17: a partial micro tile) and whole 64-row blocks.
+@pytest.mark.parametrize(("n", "k", "group"), [(33, 99, 32), (20, 70, 25), (50, 64, 64)])
+def test_odd_shapes_on_every_row_path(gemm: object, n: int, k: int, group: int) -> None:
+    for q in _weights(n, k, group, seed=k):
+        p = pack_for_cpu(q)
+        for m in (1, 2, 3, 4, 5, 17, 64):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            y = gemm(x, p.codes, p.scale, p.zero, int(p.kind), p.n, p.group_size)  # type: ignore[operator]
+            torch.testing.assert_close(y, quant_gemm_reference(x, q), rtol=1e-5, atol=1e-4,
+                                       msg=f"{q.kind.name} rows {m}")
+            xb = x.bfloat16()  # bf16 rows: widened exactly, so the same sums up to rounding
+            yb = gemm(xb, p.codes, p.scale, p.zero, int(p.kind), p.n, p.group_size)  # type: ignore[operator]
+            assert yb.dtype == torch.bfloat16
+            torch.testing.assert_close(yb, quant_gemm_reference(xb.float(), q).bfloat16(),
+                                       rtol=1e-2, atol=2e-2, msg=f"{q.kind.name} bf16 {m}")
 
 
 def test_bf16_activations_stay_bf16(gemm: object) -> None:

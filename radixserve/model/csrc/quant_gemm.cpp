@@ -1,21 +1,17 @@
 // Weight-only GEMM on CPU over pre-quantized weights, dequantized in registers/L1 inside the
-// GEMM (never a dequantized copy of the weight in memory):
-//   y (M, N) = x (M, K) @ W.T,  W[n, k] = (code[n, k] - zero[n, g]) * scale[n, g],  g = k / group
-// for kind 0 (int4 codes 0..15), kind 1 (int8 codes 0..255); kind 2: W[n, k] = fp8_e4m3(code)
-// * scale[n, g] (no zero). fp32 accumulation; x float32 or bfloat16 (widened to fp32, never
-// quantized); y in x's dtype.
+// GEMM (never a dequantized copy of the weight in memory): the ops quant_gemm and
+// quant_dequantize. The layout and the semantics: quant_gemm.h; the packing and the reference:
+// radixserve/model/quantization/cpu_kernel.py. fp32 accumulation; x float32 or bfloat16
+// (widened to fp32, never quantized); y in x's dtype.
 //
-// Registered as torch.ops.radixserve.quant_gemm; radixserve/model/quantization/cpu_kernel.py
-// packs the weight and owns the reference semantics.
-//
-// Packed layout (made once at load): blocks of 16 output channels, NB = ceil(N / 16), N padded
-// with zero codes: int4 (NB, K, 8) uint8, byte j of input k holding channel j (low nibble) and
-// channel j + 8 (high nibble); int8 / fp8 (NB, K, 16) uint8. scale and zero: (NB, G, 16) fp32.
-// Per task (a range of channel blocks), per 64-row block of x, per K chunk (at most KC inputs
-// inside one group, so its scale and zero are constants): the chunk's 16 x KC weights are
-// dequantized into a 8 KiB scratch that stays in L1, then every row tile of x multiplies it.
-// The inner loops are plain C++ that the compiler vectorizes for the build's ISA (AVX-512,
-// AVX2 or anything else): no intrinsics, so one source builds on every tier.
+// Up to kSmallRows rows (decode): per block of 16 channels, row tiles of the tier's
+// decode_block (quant_gemm_simd.h: AVX-512 / AVX2 intrinsics, plain loops on portable), the
+// threads splitting the channel blocks so that each streams its own weight bytes. More rows:
+// per task (a range of channel blocks), per 64-row block of x, per K chunk (at most KC inputs
+// inside one group, so its scale and zero are constants), the chunk's 16 x KC weights are
+// dequantized into an 8 KiB scratch that stays in L1, then every row tile of x multiplies it
+// (plain C++ the compiler vectorizes). Prefill (QuantLinear, from 32 rows) instead multiplies
+// panels of quant_dequantize's output with torch's GEMM.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,55 +19,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "quant_gemm_simd.h"
 
 namespace {
 
-constexpr int CB = 16;       // channels per packed block
-constexpr int MR = 4;        // rows per micro tile: MR x 16 fp32 accumulators
-constexpr int64_t MB = 64;   // rows per block of x
-constexpr int64_t KC = 128;  // inputs per dequantized chunk (16 x 128 fp32: 8 KiB)
-constexpr int64_t SMALL_M = 4;  // at or below: the scratch-free path (decode)
+using namespace radixserve_quant;
 
-inline float fp8_e4m3_to_float(uint8_t b) {
-  // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits. A normal number's exponent and
-  // mantissa shifted into fp32's fields, the bias moved by 127 - 7 = 120; a subnormal is
-  // mantissa * 2^-9. (0x7f / 0xff, the NaNs, never occur in a valid weight.)
-  const uint32_t em = b & 0x7Fu;
-  float mag;
-  if (em >= 8) {
-    const uint32_t bits = (em << 20) + (120u << 23);
-    std::memcpy(&mag, &bits, 4);
-  } else {
-    mag = static_cast<float>(em) * 0x1p-9f;
-  }
-  return (b & 0x80u) ? -mag : mag;
-}
-
-// w (kc, 16) = the chunk [k0, k0 + kc) of one block, dequantized; s, z: its group's 16 values.
-template <int kind>
-inline void dequant_chunk(const uint8_t* blk, int64_t k0, int64_t kc, const float* s,
-                          const float* z, float* w) {
-  for (int64_t i = 0; i < kc; ++i) {
-    float* wi = w + i * CB;
-    if constexpr (kind == 0) {
-      const uint8_t* b = blk + (k0 + i) * (CB / 2);
-#pragma omp simd
-      for (int j = 0; j < CB / 2; ++j) {
-        wi[j] = (static_cast<float>(b[j] & 0xF) - z[j]) * s[j];
-        wi[j + CB / 2] = (static_cast<float>(b[j] >> 4) - z[j + CB / 2]) * s[j + CB / 2];
-      }
-    } else if constexpr (kind == 1) {
-      const uint8_t* b = blk + (k0 + i) * CB;
-#pragma omp simd
-      for (int j = 0; j < CB; ++j) wi[j] = (static_cast<float>(b[j]) - z[j]) * s[j];
-    } else {
-      const uint8_t* b = blk + (k0 + i) * CB;
-#pragma omp simd
-      for (int j = 0; j < CB; ++j) wi[j] = fp8_e4m3_to_float(b[j]) * s[j];
-    }
-  }
-}
+constexpr int MR = 4;           // rows per micro tile of the scratch path: MR x 16 accumulators
+constexpr int64_t MB = 64;      // rows per block of x
+constexpr int64_t KC = 128;     // inputs per dequantized chunk (16 x 128 fp32: 8 KiB)
+constexpr int64_t kSmallRows = 4;  // at or below: the decode blocks
 
 // acc (mr, 16) += x (mr rows, ldx apart, kc inputs) @ w (kc, 16)
 template <int mr>
@@ -93,178 +53,167 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 constexpr MicroFn kMicro[MR] = {&micro<1>, &micro<2>, &micro<3>, &micro<4>};
 
-// One block's 16 raw code values of input k as floats (zero point and scale not applied).
 template <int kind>
-inline void codes16(const uint8_t* blk, int64_t k, float* v) {
-  if constexpr (kind == 0) {
-    const uint8_t* b = blk + k * (CB / 2);
-#pragma omp simd
-    for (int j = 0; j < CB / 2; ++j) {
-      v[j] = static_cast<float>(b[j] & 0xF);
-      v[j + CB / 2] = static_cast<float>(b[j] >> 4);
-    }
-  } else if constexpr (kind == 1) {
-    const uint8_t* b = blk + k * CB;
-#pragma omp simd
-    for (int j = 0; j < CB; ++j) v[j] = static_cast<float>(b[j]);
-  } else {
-    const uint8_t* b = blk + k * CB;
-#pragma omp simd
-    for (int j = 0; j < CB; ++j) v[j] = fp8_e4m3_to_float(b[j]);
-  }
-}
-
-// Few rows (decode): no scratch. Per group, acc = x . codes (raw values, in registers), then
-// y += scale * (acc - zero * sum(x over the group)): the zero point and scale cost once per
-// group, not once per weight.
-template <int kind, int mr>
-void small_block(const float* x, int64_t K, const uint8_t* blk, const float* sb,
-                 const float* zb, int64_t group, float* out /* (mr, 16) */) {
-  float y[mr][CB] = {};
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
-    const int64_t k1 = std::min(K, k0 + group);
-    float acc[mr][CB] = {};
-    float xsum[mr] = {};
-    for (int64_t k = k0; k < k1; ++k) {
-      float v[CB];
-      codes16<kind>(blk, k, v);
-      for (int r = 0; r < mr; ++r) {
-        const float xv = x[r * K + k];
-        xsum[r] += xv;
-#pragma omp simd
-        for (int j = 0; j < CB; ++j) acc[r][j] += xv * v[j];
-      }
-    }
-    const float* s = sb + g * CB;
-    for (int r = 0; r < mr; ++r) {
-      if constexpr (kind == 2) {
-#pragma omp simd
-        for (int j = 0; j < CB; ++j) y[r][j] += s[j] * acc[r][j];
-      } else {
-        const float* z = zb + g * CB;
-#pragma omp simd
-        for (int j = 0; j < CB; ++j) y[r][j] += s[j] * (acc[r][j] - z[j] * xsum[r]);
-      }
-    }
-  }
-  for (int r = 0; r < mr; ++r) std::memcpy(out + r * CB, y[r], sizeof(y[r]));
-}
-
-template <int kind>
-void run_small(const float* x, int64_t M, int64_t K, const uint8_t* packed, const float* scale,
-               const float* zero, int64_t G, int64_t group, float* y, int64_t N) {
-  const int64_t NB = (N + CB - 1) / CB;
-  const int64_t blk_bytes = kind == 0 ? K * CB / 2 : K * CB;
+void run_small(const Operands& o, float* y) {
+  constexpr int R = kDecodeRows;
+  using BlockFn = void (*)(const Operands&, int64_t, int64_t, float*);
+  static_assert(R == 2 || R == 4, "decode row tiles of 2 or 4");
+  constexpr BlockFn fns[4] = {&decode_block<kind, 1>, &decode_block<kind, 2>,
+                              &decode_block<kind, R == 4 ? 3 : 1>,
+                              &decode_block<kind, R == 4 ? 4 : 2>};
+  const int64_t NB = (o.N + CB - 1) / CB;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    float tile[MR * CB];
+    alignas(64) float tile[4 * CB];
     for (int64_t nb = b0; nb < b1; ++nb) {
-      const uint8_t* blk = packed + nb * blk_bytes;
-      const float* sb = scale + nb * G * CB;
-      const float* zb = zero == nullptr ? nullptr : zero + nb * G * CB;
-      const int valid = static_cast<int>(std::min<int64_t>(CB, N - nb * CB));
-      for (int64_t r0 = 0; r0 < M; r0 += MR) {
-        const int64_t mr = std::min<int64_t>(MR, M - r0);
-        const float* xr = x + r0 * K;
-        if (mr == 1) small_block<kind, 1>(xr, K, blk, sb, zb, group, tile);
-        else if (mr == 2) small_block<kind, 2>(xr, K, blk, sb, zb, group, tile);
-        else if (mr == 3) small_block<kind, 3>(xr, K, blk, sb, zb, group, tile);
-        else small_block<kind, 4>(xr, K, blk, sb, zb, group, tile);
+      const int valid = static_cast<int>(std::min<int64_t>(CB, o.N - nb * CB));
+      for (int64_t r0 = 0; r0 < o.M; r0 += R) {
+        const int64_t mr = std::min<int64_t>(R, o.M - r0);
+        fns[mr - 1](o, nb, r0, tile);
         for (int64_t r = 0; r < mr; ++r)
-          std::memcpy(y + (r0 + r) * N + nb * CB, tile + r * CB, valid * sizeof(float));
+          std::memcpy(y + (r0 + r) * o.N + nb * CB, tile + r * CB, valid * sizeof(float));
       }
     }
   });
 }
 
 template <int kind>
-void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, const float* scale,
-         const float* zero, int64_t G, int64_t group, float* y, int64_t N) {
-  const int64_t NB = (N + CB - 1) / CB;
-  const int64_t blk_bytes = kind == 0 ? K * CB / 2 : K * CB;
+void run_tiled(const Operands& o, float* y) {
+  const int64_t NB = (o.N + CB - 1) / CB;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> w(KC * CB);
     std::vector<float> tile(MB * CB);
     for (int64_t nb = b0; nb < b1; ++nb) {
-      const uint8_t* blk = packed + nb * blk_bytes;
-      const float* sb = scale + nb * G * CB;
-      const float* zb = zero == nullptr ? nullptr : zero + nb * G * CB;
-      const int valid = static_cast<int>(std::min<int64_t>(CB, N - nb * CB));
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = std::min(MB, M - m0);
+      const uint8_t* blk = o.packed + nb * o.block_bytes(kind);
+      const float* sb = o.scale + nb * o.G * CB;
+      const float* zb = o.zero == nullptr ? nullptr : o.zero + nb * o.G * CB;
+      const int valid = static_cast<int>(std::min<int64_t>(CB, o.N - nb * CB));
+      for (int64_t m0 = 0; m0 < o.M; m0 += MB) {
+        const int64_t mb = std::min(MB, o.M - m0);
         std::fill(tile.begin(), tile.begin() + mb * CB, 0.0f);
-        for (int64_t k0 = 0; k0 < K;) {
-          const int64_t g = k0 / group;
-          const int64_t kc = std::min({KC, (g + 1) * group - k0, K - k0});
+        for (int64_t k0 = 0; k0 < o.K;) {
+          const int64_t g = k0 / o.group;
+          const int64_t kc = std::min({KC, (g + 1) * o.group - k0, o.K - k0});
           dequant_chunk<kind>(blk, k0, kc, sb + g * CB, zb == nullptr ? nullptr : zb + g * CB,
                               w.data());
           for (int64_t r = 0; r < mb; r += MR) {
             const int mr = static_cast<int>(std::min<int64_t>(MR, mb - r));
-            kMicro[mr - 1](x + (m0 + r) * K + k0, K, w.data(), kc, tile.data() + r * CB);
+            kMicro[mr - 1](o.x + (m0 + r) * o.Kp + k0, o.Kp, w.data(), kc,
+                           tile.data() + r * CB);
           }
           k0 += kc;
         }
         for (int64_t r = 0; r < mb; ++r)
-          std::memcpy(y + (m0 + r) * N + nb * CB, tile.data() + r * CB, valid * sizeof(float));
+          std::memcpy(y + (m0 + r) * o.N + nb * CB, tile.data() + r * CB,
+                      valid * sizeof(float));
       }
     }
   });
 }
 
-at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+// x (M, K) float32 or bfloat16 -> (M, Kp) float32, zero padded; xsum (M, G): sums per group.
+void widen_x(const at::Tensor& x, int64_t Kp, int64_t group, int64_t G, float* xp, float* xs) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  for (int64_t r = 0; r < M; ++r) {
+    float* dst = xp + r * Kp;
+    if (bf16) {
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(xb[r * K + k]) << 16;  // bf16 -> fp32
+        std::memcpy(dst + k, &bits, 4);
+      }
+    } else {
+      std::memcpy(dst, xf + r * K, K * sizeof(float));
+    }
+    for (int64_t k = K; k < Kp; ++k) dst[k] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group, k1 = std::min(K, (g + 1) * group); k < k1; ++k) s += dst[k];
+      xs[r * G + g] = s;
+    }
+  }
+}
+
+at::Tensor quant_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                       const at::Tensor& zero, int64_t kind, int64_t n, int64_t group) {
-  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  TORCH_CHECK(x_in.dim() == 2, "x must be (M, K)");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "scale: fp32");
   TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 int4, 1 int8, 2 fp8");
-  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor x = x_in.scalar_type() == at::kBFloat16 ? x_in.contiguous()
+                                                           : x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), Kp = kind == kInt4 ? K + (K & 1) : K;
   const int64_t NB = (n + CB - 1) / CB, G = (K + group - 1) / group;
   TORCH_CHECK(group > 0 && scale.numel() == NB * G * CB, "scale must be (ceil(N/16), G, 16)");
-  TORCH_CHECK(packed.numel() == NB * K * (kind == 0 ? CB / 2 : CB), "packed has the wrong size");
-  const bool has_zero = kind != 2;
+  TORCH_CHECK(packed.numel() == NB * (kind == kInt4 ? Kp / 2 : K) * CB,
+              "packed has the wrong size");
+  const bool has_zero = kind != kFp8;
   TORCH_CHECK(!has_zero || (zero.scalar_type() == at::kFloat && zero.is_contiguous() &&
                             zero.numel() == scale.numel()), "zero must be shaped as scale");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
-  if (M == 0) return y.to(x.scalar_type());
-  const float* z = has_zero ? zero.data_ptr<float>() : nullptr;
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const float* xp = xf.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
+  if (M == 0) return y.to(x_in.scalar_type());
+  std::vector<float> xbuf(M * Kp + M * G);
+  widen_x(x, Kp, group, G, xbuf.data(), xbuf.data() + M * Kp);
+  const Operands o{xbuf.data(), xbuf.data() + M * Kp, M, K, Kp, G, group, n,
+                   packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                   has_zero ? zero.data_ptr<float>() : nullptr};
   float* yp = y.data_ptr<float>();
-  const bool small = M <= SMALL_M;
-  if (kind == 0)
-    (small ? run_small<0> : run<0>)(xp, M, K, p, sp, z, G, group, yp, n);
-  else if (kind == 1)
-    (small ? run_small<1> : run<1>)(xp, M, K, p, sp, z, G, group, yp, n);
-  else
-    (small ? run_small<2> : run<2>)(xp, M, K, p, sp, z, G, group, yp, n);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  const bool small = M <= kSmallRows;
+  if (kind == kInt4) (small ? run_small<kInt4> : run_tiled<kInt4>)(o, yp);
+  else if (kind == kInt8) (small ? run_small<kInt8> : run_tiled<kInt8>)(o, yp);
+  else (small ? run_small<kFp8> : run_tiled<kFp8>)(o, yp);
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
-// Output channels [n0, n1) of the weight, dequantized: (n1 - n0, K) in `dtype`. For large
-// row counts the caller multiplies panels of it with the float GEMM (one panel in memory at a
-// time, never the whole weight).
+// float -> bfloat16 bits, rounded to nearest even (weights are finite: no NaN case), in a
+// form the compiler vectorizes (c10's conversion, with its NaN branch, it does not).
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// Output channels [n0, n1) of the weight, dequantized: (K, n1 - n0) float32 or bf16 bits.
 template <typename T>
-void dequantize_into(const uint8_t* p, const float* sp, const float* zp, int64_t kind,
-                     int64_t n, int64_t k, int64_t group, int64_t n0, int64_t n1, T* op) {
-  const int64_t G = (k + group - 1) / group;
-  const int64_t blk_bytes = kind == 0 ? k * CB / 2 : k * CB;
+void dequantize_into(const Operands& o, int kind, int64_t n0, int64_t n1, T* op) {
+  const bool simd = simd_rows(kind, o);
   at::parallel_for(n0 / CB, (n1 + CB - 1) / CB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> w(KC * CB);
+    alignas(64) uint16_t bf[CB];
     for (int64_t nb = b0; nb < b1; ++nb) {
+      const uint8_t* blk = o.packed + nb * o.block_bytes(kind);
       const int64_t rows = std::min<int64_t>(CB, n1 - nb * CB);
-      for (int64_t k0 = 0; k0 < k;) {
-        const int64_t g = k0 / group;
-        const int64_t kc = std::min({KC, (g + 1) * group - k0, k - k0});
-        const float* s = sp + (nb * G + g) * CB;
-        const float* z = zp == nullptr ? nullptr : zp + (nb * G + g) * CB;
-        if (kind == 0) dequant_chunk<0>(p + nb * blk_bytes, k0, kc, s, z, w.data());
-        else if (kind == 1) dequant_chunk<1>(p + nb * blk_bytes, k0, kc, s, z, w.data());
-        else dequant_chunk<2>(p + nb * blk_bytes, k0, kc, s, z, w.data());
+      for (int64_t k0 = 0; k0 < o.K;) {
+        const int64_t g = k0 / o.group;
+        const int64_t kc = std::min({KC, (g + 1) * o.group - k0, o.K - k0});
+        const float* s = o.scale + (nb * o.G + g) * CB;
+        const float* z = o.zero == nullptr ? nullptr : o.zero + (nb * o.G + g) * CB;
+        T* dst = op + k0 * (n1 - n0) + (nb * CB - n0);
+#if RS_QUANT_AVX512 || RS_QUANT_AVX2
+        if (rows == CB && simd) {  // the tier's intrinsics, straight into the panel
+          const int64_t ld = n1 - n0;
+          if (kind == kInt4) dequant_rows_simd<kInt4>(blk, k0, k0 + kc, s, z, dst, ld);
+          else if (kind == kInt8) dequant_rows_simd<kInt8>(blk, k0, k0 + kc, s, z, dst, ld);
+          else dequant_rows_simd<kFp8>(blk, k0, k0 + kc, s, z, dst, ld);
+          k0 += kc;
+          continue;
+        }
+#endif
+        if (kind == kInt4) dequant_chunk<kInt4>(blk, k0, kc, s, z, w.data());
+        else if (kind == kInt8) dequant_chunk<kInt8>(blk, k0, kc, s, z, w.data());
+        else dequant_chunk<kFp8>(blk, k0, kc, s, z, w.data());
         // (K, n1 - n0) rows: each input's 16 channels are contiguous in both.
         for (int64_t i = 0; i < kc; ++i) {
-          T* dst = op + (k0 + i) * (n1 - n0) + (nb * CB - n0);
-          for (int64_t j = 0; j < rows; ++j) dst[j] = static_cast<T>(w[i * CB + j]);
+          const float* wi = w.data() + i * CB;
+          if constexpr (std::is_same_v<T, float>) {
+            std::memcpy(dst + i * (n1 - n0), wi, rows * sizeof(float));
+          } else {
+#pragma omp simd
+            for (int j = 0; j < CB; ++j) bf[j] = to_bf16_bits(wi[j]);
+            std::memcpy(dst + i * (n1 - n0), bf, rows * sizeof(uint16_t));
+          }
         }
         k0 += kc;
       }
@@ -273,8 +222,9 @@ void dequantize_into(const uint8_t* p, const float* sp, const float* zp, int64_t
 }
 
 // Output channels [n0, n1) of the weight, dequantized and transposed: (K, n1 - n0) in
-// `dtype` (float32 or bfloat16), written straight in that dtype. For large row counts the caller multiplies
-// panels of it with the float GEMM (one panel in memory at a time, never the whole weight).
+// `dtype` (float32 or bfloat16), written straight in that dtype. For large row counts the
+// caller multiplies panels of it with the float GEMM (one panel at a time, never the whole
+// weight).
 at::Tensor quant_dequantize(const at::Tensor& packed, const at::Tensor& scale,
                             const at::Tensor& zero, int64_t kind, int64_t n, int64_t k,
                             int64_t group, int64_t n0, int64_t n1, at::ScalarType dtype) {
@@ -282,16 +232,17 @@ at::Tensor quant_dequantize(const at::Tensor& packed, const at::Tensor& scale,
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype: float32 or bfloat16");
   const int64_t NB = (n + CB - 1) / CB, G = (k + group - 1) / group;
   TORCH_CHECK(scale.numel() == NB * G * CB, "scale must be (ceil(N/16), G, 16)");
-  TORCH_CHECK(packed.numel() == NB * k * (kind == 0 ? CB / 2 : CB), "packed has the wrong size");
+  TORCH_CHECK(packed.numel() == NB * (kind == kInt4 ? (k + (k & 1)) / 2 : k) * CB,
+              "packed has the wrong size");
   at::Tensor out = at::empty({k, n1 - n0}, scale.options().dtype(dtype));
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const float* zp = kind == 2 ? nullptr : zero.data_ptr<float>();
+  const Operands o{nullptr, nullptr, 0, k, kind == kInt4 ? k + (k & 1) : k, G, group, n,
+                   packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                   kind == kFp8 ? nullptr : zero.data_ptr<float>()};
   if (dtype == at::kFloat)
-    dequantize_into(p, scale.data_ptr<float>(), zp, kind, n, k, group, n0, n1,
-                    out.data_ptr<float>());
+    dequantize_into(o, static_cast<int>(kind), n0, n1, out.data_ptr<float>());
   else
-    dequantize_into(p, scale.data_ptr<float>(), zp, kind, n, k, group, n0, n1,
-                    out.data_ptr<at::BFloat16>());
+    dequantize_into(o, static_cast<int>(kind), n0, n1,
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 

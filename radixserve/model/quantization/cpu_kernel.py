@@ -5,8 +5,9 @@ Owns: the packed layout csrc/quant_gemm.cpp reads (`pack_for_cpu`), building it 
 float64: the kernel's specification). Does not know: layers, checkpoint formats (QWeight).
 
 Layout: blocks of 16 output channels (N padded with zero codes, zero scales): int4 codes
-(NB, K, 8) uint8, byte j holding channel j in its low nibble and channel j + 8 in its high
-one; int8 / fp8 codes (NB, K, 16) uint8; scale and zero (NB, G, 16) float32. A weight with
+(NB, Kp / 2, 16) uint8 (Kp: K rounded up to even with a zero code), byte j of pair p holding
+channel j's codes of inputs 2p (low nibble) and 2p + 1 (high nibble); int8 / fp8 codes
+(NB, K, 16) uint8; scale and zero (NB, G, 16) float32 (csrc/quant_gemm.h says why). A weight with
 `perm` (GPTQ act-order) is multiplied by x[:, perm] (the caller permutes the activations).
 """
 
@@ -33,7 +34,7 @@ class PackedWeight:
     n: int
     k: int
     group_size: int
-    codes: torch.Tensor  # (NB, K, 8) or (NB, K, 16) uint8
+    codes: torch.Tensor  # (NB, Kp / 2, 16) or (NB, K, 16) uint8
     scale: torch.Tensor  # (NB, G, 16) float32
     zero: torch.Tensor  # (NB, G, 16) float32; empty for FP8
 
@@ -70,7 +71,9 @@ def pack_for_cpu(w: QWeight) -> PackedWeight:
     n_pad = -(-n // BLOCK) * BLOCK
     codes = _blocks(w.codes.cpu(), n_pad)  # (NB, K, 16)
     if w.kind is Kind.INT4:
-        codes = (codes[:, :, :8] | (codes[:, :, 8:] << 4)).contiguous()  # (NB, K, 8)
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, k % 2))  # (NB, Kp, 16)
+        pairs = codes.view(codes.shape[0], -1, 2, BLOCK)  # (NB, Kp / 2, 2, 16)
+        codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()  # (NB, Kp / 2, 16)
     zero = torch.empty(0) if w.zero is None else _blocks(w.zero.cpu(), n_pad)
     return PackedWeight(w.kind, n, k, w.group_size, codes, _blocks(w.scale.cpu(), n_pad), zero)
 
