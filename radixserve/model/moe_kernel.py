@@ -13,7 +13,8 @@ them; x float32 or bfloat16, the stacked weights in x's dtype, or int8 codes wit
 per-(expert, output channel) scales (W = code * scale: `quantize_experts`); fp32
 accumulation. One call per layer: the grouping is inside (a counting sort), so no count is
 read on the host.
-`native_fits` says where it is the faster path (decode; a bf16 prefill goes to oneDNN).
+`native_fits` says where it is the faster path (everywhere but a bf16 prefill on a tier
+without AVX512-BF16, which goes to oneDNN).
 Does not know: routing, the shared expert, parallelism (layers/moe.py), or its specification,
 which is layers/moe.py's torch path (`grouped_experts`), kept where the op does not build
 (no compiler), with RADIXSERVE_NO_CPU_KERNELS=1, and on CUDA.
@@ -26,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from radixserve.model.quant import quantize_per_channel
+from radixserve.platform.cpu_isa import CpuIsa
 from radixserve.platform.kernels import ENV_DISABLE, MOE_EXPERTS, load_extension
 
 __all__ = ["ENV_DISABLE"]
@@ -34,17 +36,28 @@ __all__ = ["ENV_DISABLE"]
 MoEExpertsOp = Callable[..., torch.Tensor]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-# bf16: above this many rows per expert on average (prefill), oneDNN's bf16 GEMMs on the
-# stacked weights beat the op's dot-product tiles, whose reach is the weight stream of decode
-# (`python -m bench.moe_layer`, bench/README.md: the op 1.3-1.7x torch's path up to 8 rows
-# per expert, 0.7x at 32). fp32 runs the op at every size (faster throughout).
-BF16_MAX_ROWS_PER_EXPERT = 16
+# bf16 below AVX512-BF16 (the op widens bf16 weights for fp32 FMAs): above this many rows per
+# expert on average (prefill), oneDNN's bf16 GEMMs on the stacked weights are faster. With
+# vdpbf16ps the op is as fast as oneDNN at 128 rows per expert and faster below, and fp32
+# runs the op at every size (bench/README.md, "Mixture of experts on CPU").
+WIDENED_BF16_MAX_ROWS_PER_EXPERT = 8
 
 
-def native_fits(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
-    """Whether the op is the faster path for `tokens` rows: from the shapes alone (the mean
-    rows per expert), so the choice reads nothing on the host."""
-    return dtype != torch.bfloat16 or tokens * top_k <= BF16_MAX_ROWS_PER_EXPERT * num_experts
+def native_fits(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                bf16_dot: bool) -> bool:
+    """Whether the op is the faster path for `tokens` rows, from the shapes alone (the mean
+    rows per expert), so the choice reads nothing on the host. `bf16_dot`: the op's tier
+    multiplies bf16 with vdpbf16ps (bf16_dot_products)."""
+    if dtype != torch.bfloat16 or bf16_dot:
+        return True
+    return tokens * top_k <= WIDENED_BF16_MAX_ROWS_PER_EXPERT * num_experts
+
+
+def bf16_dot_products() -> bool:
+    """Whether the op as loaded runs bf16 layers on vdpbf16ps (its tier is avx512_bf16 or
+    above)."""
+    loaded = load_extension(MOE_EXPERTS)
+    return loaded is not None and loaded.tier.rank >= CpuIsa.AVX512_BF16.rank
 
 
 def load_moe_experts(device: torch.device, dtype: torch.dtype) -> MoEExpertsOp | None:

@@ -139,7 +139,8 @@ def test_int8_block_needs_the_native_op() -> None:
         MoEBlock(spec, weights, native=False, int8=True)
 
 
-def test_bf16_prefill_goes_to_onednn_by_the_shapes() -> None:
-    assert native_fits(16, 4, 32, torch.bfloat16)  # decode: ~2 rows per expert
-    assert not native_fits(1024, 4, 32, torch.bfloat16)  # a prefill chunk: 128 per expert
-    assert native_fits(1024, 4, 32, torch.float32)
+def test_bf16_prefill_without_bf16_dot_products_goes_to_onednn() -> None:
+    assert native_fits(16, 4, 32, torch.bfloat16, bf16_dot=False)  # ~2 rows per expert
+    assert not native_fits(1024, 4, 32, torch.bfloat16, bf16_dot=False)  # 128 per expert
+    assert native_fits(1024, 4, 32, torch.bfloat16, bf16_dot=True)
+    assert native_fits(1024, 4, 32, torch.float32, bf16_dot=False)

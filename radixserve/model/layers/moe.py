@@ -16,8 +16,8 @@ sorted order: each token's experts are summed in ascending expert order, as HF s
 Where the native op builds (model/moe_kernel.py: csrc/moe/, per CPU tier), the whole of the
 above is one call per layer on the stacked weights: it groups the pairs itself, so no count
 is read on the host, and streams each active expert's weights once for all its rows. A bf16
-prefill with many rows per expert (moe_kernel.native_fits) runs the torch path below on the
-same stacked weights (oneDNN's bf16 GEMMs are faster there; it reads the layer's counts).
+prefill on a CPU without AVX512-BF16 (moe_kernel.native_fits) runs the torch path below on
+the same stacked weights (oneDNN's bf16 GEMMs are faster there; it reads the counts).
 Without it, where oneDNN prepacking applies (cpu_linear.py's rule), each expert's gate, up
 and down are prepacked at load (replacing the stacked copy) and run with the silu and the
 product as GEMM epilogues, as the dense GatedMLP does; this torch path reads the counts on
@@ -42,6 +42,7 @@ from radixserve.model.cpu_linear import GatedMLP, prepack
 from radixserve.model.layers.moe_spec import MoESpec
 from radixserve.model.moe_kernel import (
     MoEExpertsOp,
+    bf16_dot_products,
     load_moe_experts,
     native_fits,
     quantize_experts,
@@ -191,6 +192,7 @@ class MoEBlock:
         self.native: MoEExpertsOp | None = None
         if prepacked and native:
             self.native = load_moe_experts(weights.gate_up.device, weights.gate_up.dtype)
+        self.bf16_dot = self.native is not None and bf16_dot_products()
         use_packed = prepacked and self.native is None and not int8
         self.packed = pack_experts(weights.gate_up, weights.down) if use_packed else None
         # NOTE: the packed copies replace the stacked weights: one copy in memory.
@@ -229,7 +231,7 @@ class MoEBlock:
             return fused_moe(x, routing.weights, routing.expert_ids, self.gate_up, self.down,
                              first_expert=self.first_expert)
         if self.native is not None and (self.scales is not None or native_fits(
-                x.shape[0], self.spec.top_k, self.spec.num_experts, x.dtype)):
+                x.shape[0], self.spec.top_k, self.spec.num_experts, x.dtype, self.bf16_dot)):
             return self.native(x, routing.weights, routing.expert_ids, self.gate_up, self.down,
                                self.first_expert, *(self.scales or ()))
         return grouped_experts(x, routing, self.gate_up, self.down, self.spec.num_experts,

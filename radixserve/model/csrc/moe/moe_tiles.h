@@ -151,6 +151,20 @@ void dot_tile(const float* const* x, const WT* const* w, int64_t K, int64_t pf, 
 #endif
 
 #if defined(__AVX512BF16__)
+// 32 bf16 pairs' products for each of the tile's accumulators (vdpbf16ps); m masks a tail.
+template <int mr, bool tail>
+inline void dp_step(const bf16_t* const* x, const bf16_t* const* w, int64_t k, __mmask32 m,
+                    __m512 (&acc)[mr][NR]) {
+  __m512bh wv[NR];
+  for (int c = 0; c < NR; ++c)
+    wv[c] = (__m512bh)(tail ? _mm512_maskz_loadu_epi16(m, w[c] + k) : _mm512_loadu_si512(w[c] + k));
+  for (int r = 0; r < mr; ++r) {
+    const __m512bh xv =
+        (__m512bh)(tail ? _mm512_maskz_loadu_epi16(m, x[r] + k) : _mm512_loadu_si512(x[r] + k));
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+  }
+}
+
 // bf16 x bf16 pairs summed in fp32 by vdpbf16ps: 32 products per instruction, no widening.
 template <int mr>
 void dot_tile(const bf16_t* const* x, const bf16_t* const* w, int64_t K, int64_t pf,
@@ -158,16 +172,12 @@ void dot_tile(const bf16_t* const* x, const bf16_t* const* w, int64_t K, int64_t
   __m512 acc[mr][NR];
   for (int r = 0; r < mr; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 m = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
-    __m512bh wv[NR];
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
     for (int c = 0; c < NR; ++c) prefetch(w[c] + k + pf);
-    for (int c = 0; c < NR; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, w[c] + k);
-    for (int r = 0; r < mr; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x[r] + k);
-      for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
+    dp_step<mr, false>(x, w, k, 0, acc);
   }
+  if (k < K) dp_step<mr, true>(x, w, k, static_cast<__mmask32>((1u << (K - k)) - 1), acc);
   reduce_tile<mr>(acc, out);
 }
 #endif
