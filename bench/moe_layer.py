@@ -8,9 +8,14 @@ Does not know: the engine or the rest of the model.
     python -m bench.moe_layer --batch 64 --dtype bf16 --reps 30
     python -m bench.moe_layer --threads 1 --clock cpu   # on a machine shared with others
 
-"non-GEMM share" = the median over rounds of 1 - (the expert GEMM loop alone) / (the whole
-block), the two timed in turn in each round (a shared machine's load hits both): routing (router
-linear, softmax, top-k), the sort, the row gather, the weighting and the index_add scatter.
+"non-GEMM share" = the median over rounds of 1 - (the experts alone) / (the whole block), the
+two timed in turn in each round (a shared machine's load hits both). With the native op
+(model/moe_kernel.py) "the experts alone" is the op on the block's routing: its grouping (a
+counting sort) and its per-token sum are inside it, so what the share counts is the routing
+(router linear, softmax, top-k) and the residual add; on the torch path (`--torch`, or no
+build) it is the expert GEMM loop on a precomputed grouping, and the share adds the sort, the
+row gather, the weighting and the index_add scatter. `torch path ms`: the same layer on the
+torch path (oneDNN-prepacked experts, one GEMM pair per active expert), timed alike.
 Also printed: the same layer's expert weights read per step, against a dense gated MLP of the
 active width (top_k * expert width), timed alike, to show that a step touches only the
 experts it routes to.
@@ -26,7 +31,14 @@ from collections.abc import Callable
 import torch
 
 from radixserve.model.cpu_linear import GatedMLP
-from radixserve.model.layers.moe import MoEBlock, MoEWeights, expert_gemms, group_by_expert, route
+from radixserve.model.layers.moe import (
+    MoEBlock,
+    MoEWeights,
+    Routing,
+    expert_gemms,
+    group_by_expert,
+    route,
+)
 from radixserve.model.layers.moe_spec import MoESpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,7 +60,7 @@ def _interleaved_ms(fns: list[Callable[[], object]], reps: int,
     return times
 
 
-def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype) -> MoEBlock:
+def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype, native: bool) -> MoEBlock:
     g = torch.Generator().manual_seed(0)
     e, f = spec.num_experts, spec.expert_size
 
@@ -57,29 +69,43 @@ def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype) -> MoEBlock:
         return t.to(dtype)
 
     return MoEBlock(spec, MoEWeights(router=w(e, hidden), gate_up=w(e, 2 * f, hidden),
-                                     down=w(e, hidden, f)))
+                                     down=w(e, hidden, f)), native=native)
+
+
+def _experts_alone(block: MoEBlock, x: torch.Tensor, routing: Routing,
+                   num_experts: int) -> Callable[[], object]:
+    """The block's expert compute without the routing: the native op, or the torch path's
+    GEMM loop on a precomputed grouping."""
+    native, gate_up, down = block.native, block.gate_up, block.down
+    if native is not None:
+        assert gate_up is not None and down is not None
+        return lambda: native(x, routing.weights, routing.expert_ids, gate_up, down, 0)
+    groups = group_by_expert(routing.expert_ids, num_experts, 0, num_experts)
+    rows = x.index_select(0, groups.token_rows)
+    return lambda: expert_gemms(rows, groups.counts, gate_up, down, block.packed)
 
 
 def measure(batch: int, dtype: torch.dtype, reps: int, spec: MoESpec, hidden: int,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    block = _layer(spec, hidden, dtype)
+            clock: Callable[[], float] = time.perf_counter, native: bool = True
+            ) -> dict[str, float]:
+    block = _layer(spec, hidden, dtype, native)
+    torch_block = _layer(spec, hidden, dtype, native=False)
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     routing = route(x, block.router, spec.top_k, spec.renormalize)
     groups = group_by_expert(routing.expert_ids, spec.num_experts, 0, spec.num_experts)
-    rows = x.index_select(0, groups.token_rows)
     active = spec.top_k * spec.expert_size
     gu = (torch.randn(2 * active, hidden) * hidden**-0.5).to(dtype)
     dn = (torch.randn(hidden, active) * active**-0.5).to(dtype)
     dense = GatedMLP(gu, dn)
-    total, gemms, dense_ms = _interleaved_ms(
-        [lambda: block(x, x),
-         lambda: expert_gemms(rows, groups.counts, block.gate_up, block.down, block.packed),
-         lambda: dense(x, x)], reps, clock)
-    share = statistics.median(1 - g / t for g, t in zip(gemms, total, strict=True))
+    total, alone, torch_ms, dense_ms = _interleaved_ms(
+        [lambda: block(x, x), _experts_alone(block, x, routing, spec.num_experts),
+         lambda: torch_block(x, x), lambda: dense(x, x)], reps, clock)
+    share = statistics.median(1 - g / t for g, t in zip(alone, total, strict=True))
     return {"batch": batch, "block_ms": statistics.median(total),
-            "gemm_ms": statistics.median(gemms), "non_gemm_share": share,
+            "experts_ms": statistics.median(alone), "non_gemm_share": share,
+            "torch_ms": statistics.median(torch_ms),
             "active_experts": sum(1 for c in groups.counts if c),
-            "dense_active_ms": statistics.median(dense_ms)}
+            "dense_active_ms": statistics.median(dense_ms), "native": block.native is not None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--torch", action="store_true",
+                    help="the block on the torch path (not the native op)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (time.process_time), which a machine "
                          "shared with other jobs inflates far less than wall time; use it "
@@ -105,15 +133,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"MoE layer: hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
           f"expert width {args.expert_size}; threads {torch.get_num_threads()}, "
           f"{args.clock} clock, median of {args.reps}")
-    print(f"{'dtype':>5} {'batch':>5} {'block ms':>9} {'GEMMs ms':>9} {'non-GEMM':>9} "
-          f"{'experts':>7} {'dense(active) ms':>16}")
+    print(f"{'dtype':>5} {'batch':>5} {'block ms':>9} {'experts ms':>10} {'non-GEMM':>9} "
+          f"{'torch path ms':>13} {'experts':>7} {'dense(active) ms':>16}")
     for name in args.dtype:
         for batch in args.batch:
-            r = measure(batch, DTYPES[name], args.reps, spec, args.hidden, clock)
-            print(f"{name:>5} {batch:>5} {r['block_ms']:9.3f} {r['gemm_ms']:9.3f} "
-                  f"{r['non_gemm_share']:9.1%} {int(r['active_experts']):>7} "
-                  f"{r['dense_active_ms']:16.3f}")
-
+            r = measure(batch, DTYPES[name], args.reps, spec, args.hidden, clock,
+                        native=not args.torch)
+            print(f"{name:>5} {batch:>5} {r['block_ms']:9.3f} {r['experts_ms']:10.3f} "
+                  f"{r['non_gemm_share']:9.1%} {r['torch_ms']:13.3f} "
+                  f"{int(r['active_experts']):>7} {r['dense_active_ms']:16.3f}")
+    print("block: " + ("the native op" if r["native"] else "the torch path"))
 
 if __name__ == "__main__":
     main()

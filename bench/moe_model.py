@@ -44,12 +44,12 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _ours(model: Path, dtype: str, threads: int | None
+def _ours(model: Path, dtype: str, threads: int | None, quantization: str | None = None
           ) -> Callable[[list[list[int]], int], None]:
     from radixserve import LLM, SamplingParams
 
     llm = LLM(model=str(model), dtype=dtype, kv_cache_tokens=16384, disable_radix_cache=True,
-              num_threads=threads)
+              num_threads=threads, quantization=quantization)
 
     def run(prompts: list[list[int]], new: int) -> None:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
@@ -72,9 +72,11 @@ def _hf(model: Path, dtype: str) -> Callable[[list[list[int]], int], None]:
 
 
 def measure(moe_dir: Path, dense_dir: Path, runs: int, dtype: str, threads: int | None,
-            clock: Callable[[], float]) -> None:
+            clock: Callable[[], float], int8: bool = False) -> None:
     systems = {"radixserve MoE": _ours(moe_dir, dtype, threads), "radixserve dense twin":
                _ours(dense_dir, dtype, threads), "HF generate MoE": _hf(moe_dir, dtype)}
+    if int8:  # --quantization int8 (experts and dense layers): an extra line, not the baseline
+        systems["radixserve MoE int8"] = _ours(moe_dir, dtype, threads, "int8")
     cases = {"decode b=1": (_prompts(1, 32, 32000), 64),
              "batch 16": (_prompts(16, 64, 32000), 64)}
     rates: dict[tuple[str, str], list[float]] = {}
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--int8", action="store_true",
+                    help="also radixserve with --quantization int8 (the MoE line stays bf16)")
     args = ap.parse_args(argv)
     if args.action == "write":
         write(args.moe_dir, args.dense_dir)
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     measure(args.moe_dir, args.dense_dir, args.runs, args.dtype, args.threads,
-            time.process_time if args.clock == "cpu" else time.perf_counter)
+            time.process_time if args.clock == "cpu" else time.perf_counter, args.int8)
 
 
 if __name__ == "__main__":

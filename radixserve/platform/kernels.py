@@ -68,7 +68,12 @@ QUANT_GEMM = NativeExtension(
     "radixserve_quant_gemm", (_MODEL / "quant_gemm.cpp",), "CPU quantized GEMM kernel",
     ("quant_gemm", "quant_dequantize"))
 
-EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM)
+MOE_EXPERTS = NativeExtension(
+    "radixserve_moe_experts", (_MODEL / "moe" / "moe_experts.cpp",), "CPU mixture-of-experts kernel",
+    ("moe_experts",), header_dirs=(_ATTN,))  # bf16_access.h, vec_math.h
+
+EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM,
+                                           MOE_EXPERTS)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 Each family's tiny random model is saved in both expert layouts; the block loaded from the
 folder must reproduce HF's `mlp` module of each sparse layer on the same input (fp32), top-k
 of 1, 2, 3 and 8; expert-parallel and tensor-parallel parts must sum to the whole layer.
+The block runs the native op where it builds (tests/model/test_moe_kernel.py), at each tier.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from radixserve.model.layers.moe_spec import MoESpec, read_moe_spec
 from radixserve.model.layers.moe_weights import ExpertPart, Take, expert_part, load_moe_weights
 from radixserve.model_source import ModelLoadError
 from tests.tiny_moe_models import FAMILIES, Layout, build_tiny_moe, save_tiny_moe
+
+# under each CPU tier this host executes (tests/conftest.py's cpu_tier): the native MoE op's
+pytestmark = pytest.mark.usefixtures("cpu_tier")
 
 
 def _take_from(path: Path, stack: ExitStack) -> tuple[Take, set[str]]:

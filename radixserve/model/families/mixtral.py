@@ -24,4 +24,4 @@ def parse_mixtral(arch: str, cfg: dict[str, Any]) -> MoEArch:
 
 
 MIXTRAL = Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), parse_mixtral, moe_layers,
-                 features=Features(sliding_window=True, int8=False))
+                 features=Features(sliding_window=True))

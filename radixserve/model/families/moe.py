@@ -18,7 +18,7 @@ import torch
 from radixserve.model.families.base import DecoderLayer, ModelParts
 from radixserve.model.families.llama import llama_layer
 from radixserve.model.layers.context import ForwardContext
-from radixserve.model.layers.linear import FloatMethod
+from radixserve.model.layers.linear import FloatMethod, Int8Method
 from radixserve.model.layers.moe import MoEBlock
 from radixserve.model.layers.moe_spec import moe_of
 from radixserve.model.layers.norm import Residual
@@ -58,11 +58,14 @@ class SparseMoE:
 def sparse_mlp(parts: ModelParts, lw: LayerWeights) -> SparseMoE:
     moe = moe_of(parts.spec)
     assert moe is not None and lw.moe is not None
-    if not isinstance(parts.method, FloatMethod):
-        raise ModelLoadError("--quantization int8 does not cover a mixture-of-experts model's "
-                             "experts yet: serve it in its dtype (no --quantization)")
-    # Prepacked experts on CPU (oneDNN); the fused (CUDA) path runs the stacked weights.
-    return SparseMoE(MoEBlock(moe, lw.moe, prepacked=not parts.fused), parts.tp)
+    int8 = isinstance(parts.method, Int8Method)
+    if not int8 and not isinstance(parts.method, FloatMethod):
+        raise ModelLoadError(f"{parts.method.name} quantization does not cover a "
+                             "mixture-of-experts model's experts: serve it in its dtype or "
+                             "with --quantization int8")
+    # On CPU the native MoE op (int8 experts too), else oneDNN-prepacked experts; the fused
+    # (CUDA) path runs the stacked weights.
+    return SparseMoE(MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8), parts.tp)
 
 
 def moe_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLayer]:

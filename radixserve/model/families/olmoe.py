@@ -74,4 +74,4 @@ def parse_olmoe(arch: str, cfg: dict[str, Any]) -> MoEArch:
 
 OLMOE = Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), parse_olmoe, olmoe_layers,
                WeightNames(extra=("self_attn.q_norm", "self_attn.k_norm")),
-               features=Features(tensor_parallel=False, int8=False))
+               features=Features(tensor_parallel=False))

@@ -26,7 +26,7 @@ def parse_qwen_moe(arch: str, cfg: dict[str, Any]) -> MoEArch:
                    qk_norm=arch == "Qwen3MoeForCausalLM", moe=read_moe_spec(arch, cfg))
 
 
-_FEATURES = Features(sliding_window=True, int8=False)
+_FEATURES = Features(sliding_window=True)
 QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), parse_qwen_moe,
                    moe_layers, WeightNames(extra=("self_attn.q_norm", "self_attn.k_norm")),
                    features=_FEATURES)

@@ -13,9 +13,15 @@ with one index_select, then one gate_up GEMM, SiLU * up and one down GEMM per *a
 over its contiguous rows (a decode step at batch 1 touches only its k experts' weights), the
 top-k weights applied in one multiply and the rows scattered back with one index_add_ (in
 sorted order: each token's experts are summed in ascending expert order, as HF sums them).
-Where oneDNN prepacking applies (cpu_linear.py's rule), each expert's gate, up and down are
-prepacked at load (replacing the stacked copy) and run with the silu and the product as GEMM
-epilogues, as the dense GatedMLP does.
+Where the native op builds (model/moe_kernel.py: csrc/moe/, per CPU tier), the whole of the
+above is one call per layer on the stacked weights: it groups the pairs itself, so no count
+is read on the host, and streams each active expert's weights once for all its rows. A bf16
+prefill on a CPU without AVX512-BF16 (moe_kernel.native_fits) runs the torch path below on
+the same stacked weights (oneDNN's bf16 GEMMs are faster there; it reads the counts).
+Without it, where oneDNN prepacking applies (cpu_linear.py's rule), each expert's gate, up
+and down are prepacked at load (replacing the stacked copy) and run with the silu and the
+product as GEMM epilogues, as the dense GatedMLP does; this torch path reads the counts on
+the host (group_by_expert) and is the native op's specification.
 
 Parallelism: with expert parallelism a rank holds experts [first_expert, first_expert + E/N)
 whole and computes only the pairs routed to them; with tensor parallelism every rank holds a
@@ -34,6 +40,14 @@ import torch.nn.functional as F
 
 from radixserve.model.cpu_linear import GatedMLP, prepack
 from radixserve.model.layers.moe_spec import MoESpec
+from radixserve.model.moe_kernel import (
+    MoEExpertsOp,
+    bf16_dot_products,
+    load_moe_experts,
+    native_fits,
+    quantize_experts,
+)
+from radixserve.model_source import ModelLoadError
 
 
 class Routing(NamedTuple):
@@ -166,14 +180,34 @@ class MoEBlock:
     """residual + experts(x) (+ the gated shared expert); without the residual where it is
     None (a parallel rank's partial sum). Called like cpu_linear.GatedMLP."""
 
-    def __init__(self, spec: MoESpec, weights: MoEWeights, prepacked: bool = True) -> None:
+    def __init__(self, spec: MoESpec, weights: MoEWeights, prepacked: bool = True,
+                 native: bool = True, int8: bool = False) -> None:
+        """`prepacked`: False on the fused (CUDA) path, which runs the stacked weights.
+        `native`: the native CPU op where it builds (else the torch grouped compute).
+        `int8`: the experts as int8 codes with per-channel scales (--quantization int8; the
+        native op only: refused where it is not available)."""
         self.spec = spec
         self.router = weights.router
         self.num_local_experts = int(weights.gate_up.shape[0])
-        self.packed = pack_experts(weights.gate_up, weights.down) if prepacked else None
+        self.native: MoEExpertsOp | None = None
+        if prepacked and native:
+            self.native = load_moe_experts(weights.gate_up.device, weights.gate_up.dtype)
+        self.bf16_dot = self.native is not None and bf16_dot_products()
+        use_packed = prepacked and self.native is None and not int8
+        self.packed = pack_experts(weights.gate_up, weights.down) if use_packed else None
         # NOTE: the packed copies replace the stacked weights: one copy in memory.
         self.gate_up: torch.Tensor | None = weights.gate_up if self.packed is None else None
         self.down: torch.Tensor | None = weights.down if self.packed is None else None
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (E, 2F), (E, D)
+        if int8:
+            if self.native is None:
+                raise ModelLoadError(
+                    "--quantization int8 runs a mixture-of-experts model's experts on the "
+                    "native CPU MoE kernel, which is not available here (not CPU, the fused "
+                    "path, or the build failed): serve it in its dtype (no --quantization)")
+            self.gate_up, gate_up_scale = quantize_experts(weights.gate_up)
+            self.down, down_scale = quantize_experts(weights.down)
+            self.scales = (gate_up_scale, down_scale)
         self.first_expert = weights.first_expert
         self.shared: GatedMLP | None = None
         self.shared_gate = weights.shared_gate
@@ -181,7 +215,10 @@ class MoEBlock:
             assert weights.shared_down is not None and weights.shared_gate is not None
             self.shared = GatedMLP(weights.shared_gate_up, weights.shared_down,
                                    prepacked=prepacked)
-        self.nbytes = weights.nbytes  # the shared expert's prepacked copy is the same size
+        # the shared expert's prepacked copy is the same size
+        self.nbytes = weights.nbytes if self.scales is None else weights.nbytes - sum(
+            t.numel() * (t.element_size() - 1) - s.numel() * 4
+            for t, s in zip((weights.gate_up, weights.down), self.scales, strict=True))
 
     def experts(self, x: torch.Tensor, routing: Routing, fused: bool = False
                 ) -> torch.Tensor:  # (T, hidden)
@@ -193,6 +230,10 @@ class MoEBlock:
             assert self.gate_up is not None and self.down is not None
             return fused_moe(x, routing.weights, routing.expert_ids, self.gate_up, self.down,
                              first_expert=self.first_expert)
+        if self.native is not None and (self.scales is not None or native_fits(
+                x.shape[0], self.spec.top_k, self.spec.num_experts, x.dtype, self.bf16_dot)):
+            return self.native(x, routing.weights, routing.expert_ids, self.gate_up, self.down,
+                               self.first_expert, *(self.scales or ()))
         return grouped_experts(x, routing, self.gate_up, self.down, self.spec.num_experts,
                                self.first_expert, self.packed)
 
