@@ -136,7 +136,7 @@ def test_decode_kernel_matches_dequantizing_reference(fmt: torch.dtype, qdtype: 
 
 def test_decode_kernel_avx512_bf16_path_without_amx(cpu_tier: CpuIsa) -> None:
     """On a CPU with AMX the bf16 tests above run the tile path; RADIXSERVE_NO_AMX=1 (read once
-    per process) makes them run the AVX512-BF16 path instead: the same tests, in a child."""
+    per process) makes them run the AVX-512 path instead: the same tests, in a child."""
     if cpu_tier is not CpuIsa.AMX:
         pytest.skip("the tile path exists at the amx tier only")
     env = {**os.environ, ENV_NO_AMX: "1"}
