@@ -102,7 +102,9 @@ def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, qdtype: t
 # (KV heads, query heads per KV head, head_dim): SmolLM2's; the generic head_dim; 24 query
 # heads (two lane groups in the tile path's softmax) at head_dim 128; 17 per KV head (more
 # than a tile's rows: the AVX512-BF16 path)
-SHAPES = [(3, 3, 64), (3, 3, 40), (2, 12, 128), (1, 17, 64)]
+# (KV heads, group, head_dim): the AVX-512 path takes up to 16 / (head_dim / 16) heads of a
+# group at once (17 and 5: a partial last batch of heads; 32 and 256: its other instances)
+SHAPES = [(3, 3, 64), (3, 3, 40), (2, 12, 128), (1, 17, 64), (2, 5, 32), (1, 2, 256)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
