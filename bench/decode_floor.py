@@ -30,11 +30,11 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from bench.common.part_clock import PartClock, time_parts
 from radixserve import LLM
 from radixserve.platform.cpu_isa import ENV_CPU_ISA, host_tiers
 from radixserve.types import SamplingParams
@@ -54,57 +54,26 @@ def read_bandwidth(passes: int = 7) -> float:
     return BANDWIDTH_BYTES / statistics.median(times) / 1e9
 
 
-class StepClock:
-    """Seconds per engine step and per component of each forward."""
+class StepClock(PartClock):
+    """Seconds per engine step and per part of each step's forward."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.steps: list[float] = []
         self.parts: list[dict[str, float]] = []
-        self.current: dict[str, float] = defaultdict(float)
-
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.current[name] += time.perf_counter() - t
-        return timed
-
-
-class _Timed:
-    """A linear layer (or the MLP) with the same call forms, timed under `linear`."""
-
-    def __init__(self, inner: Any, clock: StepClock) -> None:
-        self.inner = inner
-        self._call = clock.wrap("linear", inner.__call__)
-        if hasattr(inner, "add_to"):
-            self.add_to = clock.wrap("linear", inner.add_to)
-        if hasattr(inner, "into"):  # the row-parallel projection's fused residual add
-            self.into = clock.wrap("linear", inner.into)
-        self.nbytes = getattr(inner, "nbytes", 0)
-
-    def __call__(self, *args: Any) -> Any:
-        return self._call(*args)
 
 
 def instrument(llm: LLM, clock: StepClock) -> None:
-    engine, model = llm.engine, llm.engine.runner.model
-    for layer in model.layers:  # the Llama-shaped layers' linear parts (families/llama.py)
-        for part in ("qkv", "o_proj", "mlp"):
-            if hasattr(layer, part):
-                setattr(layer, part, _Timed(getattr(layer, part), clock))
-    model.lm_head = _Timed(model.lm_head, clock)  # type: ignore[assignment]
-    model.backend.forward = clock.wrap("attention", model.backend.forward)  # type: ignore[method-assign]
-    model.forward = clock.wrap("forward", model.forward)  # type: ignore[method-assign]
+    engine = llm.engine
+    time_parts(engine.runner.model, clock)  # linear, attention, forward
     step = engine.step
 
     def timed_step() -> Any:
-        clock.current = defaultdict(float)
+        clock.take()
         t = time.perf_counter()
         out = step()
         clock.steps.append(time.perf_counter() - t)
-        clock.parts.append(dict(clock.current))
+        clock.parts.append(clock.take())
         return out
 
     engine.step = timed_step  # type: ignore[method-assign]

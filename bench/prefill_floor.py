@@ -20,69 +20,39 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from bench.common.part_clock import PartClock, time_parts, untimed
 from radixserve import LLM
 from radixserve.types import SamplingParams
 
 COMPONENTS = ("schedule", "prepare", "linear", "attention", "other fwd", "sample", "process")
 
 
-class Clock:
+class Clock(PartClock):
     """Seconds per component, plus (phase, tokens, logit rows) of every forward."""
 
     def __init__(self) -> None:
-        self.secs: dict[str, float] = defaultdict(float)
+        super().__init__()
         self.steps: list[tuple[str, int, int, float]] = []
         self.parts: list[tuple[float, float]] = []  # (linear, attention) s of each forward
         self.floor = [0.0, 0.0]  # (wall, CPU) s of the linear layers replayed after each step
         self.replay = [0.0, 0.0]  # (wall, CPU) s spent replaying (taken out of the engine's)
 
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.secs[name] += time.perf_counter() - t
-        return timed
-
-
-class _TimedLinear:
-    """Stands in for a linear kernel (or a packed MLP's activation GEMMs): the same call
-    forms, timed under `linear`."""
-
-    def __init__(self, inner: Any, clock: Clock) -> None:
-        self.inner = inner
-        self._call = clock.wrap("linear", inner.__call__)
-        self.add_to = clock.wrap("linear", inner.add_to) if hasattr(inner, "add_to") else None
-
-    def __call__(self, *args: Any) -> Any:
-        return self._call(*args)
-
 
 def instrument(llm: LLM, clock: Clock) -> None:
     engine = llm.engine
     runner, sched, model = engine.runner, engine.scheduler, engine.runner.model
-    for layer in model.layers:
-        lay: Any = layer  # a Llama-order layer (SmolLM2): qkv, o_proj, mlp
-        for lin in (lay.qkv, lay.o_proj, lay.mlp.down, lay.mlp.gate_up):
-            if lin is not None:
-                lin.kernel = _TimedLinear(lin.kernel, clock)
-        if lay.mlp.packed is not None:  # gate and up as two GEMMs with fused epilogues
-            lay.mlp.activation = _TimedLinear(lay.mlp.activation, clock)
-    model.lm_head.kernel = _TimedLinear(model.lm_head.kernel, clock)  # type: ignore[assignment]
-    model.backend.forward = clock.wrap("attention", model.backend.forward)  # type: ignore[method-assign]
+    time_parts(model, clock)  # linear, attention, forward
     sched.schedule = clock.wrap("schedule", sched.schedule)  # type: ignore[method-assign]
     sched.process_outputs = clock.wrap("process", sched.process_outputs)  # type: ignore[method-assign]
     runner.prepare = clock.wrap("prepare", runner.prepare)  # type: ignore[method-assign]
     runner.sampler.sample = clock.wrap("sample", runner.sampler.sample)  # type: ignore[method-assign]
-    forward = clock.wrap("forward", model.forward)
+    forward = model.forward
 
     def recorded(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, *rest: Any) -> Any:
         t = time.perf_counter()
@@ -105,10 +75,6 @@ def instrument(llm: LLM, clock: Clock) -> None:
     model.forward = recorded  # type: ignore[method-assign, assignment]
 
 
-def _inner(x: Any) -> Any:
-    return x.inner if isinstance(x, _TimedLinear) else x
-
-
 def replay_linears(model: Any, dtype: torch.dtype, tokens: int, rows: int
                    ) -> tuple[float, float]:
     """(wall, CPU) seconds of the model's own linear layers (the same objects: same kernels,
@@ -121,15 +87,15 @@ def replay_linears(model: Any, dtype: torch.dtype, tokens: int, rows: int
         t, c = time.perf_counter(), time.process_time()
         for layer in model.layers:
             mlp = layer.mlp
-            _inner(layer.qkv.kernel)(x)
-            h = _inner(layer.o_proj.kernel).add_to(x, a)
+            untimed(layer.qkv.kernel)(x)
+            h = untimed(layer.o_proj.kernel).add_to(x, a)
             if mlp.packed is not None:
-                act = _inner(mlp.activation)(unfused, x)
+                act = untimed(mlp.activation)(unfused, x)
             else:
-                gate, up = _inner(mlp.gate_up.kernel)(x).chunk(2, dim=-1)
+                gate, up = untimed(mlp.gate_up.kernel)(x).chunk(2, dim=-1)
                 act = torch.nn.functional.silu(gate) * up
-            _inner(mlp.down.kernel).add_to(h, act)
-        _inner(model.lm_head.kernel)(head_in)
+            untimed(mlp.down.kernel).add_to(h, act)
+        untimed(model.lm_head.kernel)(head_in)
         return time.perf_counter() - t, time.process_time() - c
 
 

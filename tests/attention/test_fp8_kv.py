@@ -102,7 +102,9 @@ def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, qdtype: t
 # (KV heads, query heads per KV head, head_dim): SmolLM2's; the generic head_dim; 24 query
 # heads (two lane groups in the tile path's softmax) at head_dim 128; 17 per KV head (more
 # than a tile's rows: the AVX512-BF16 path)
-SHAPES = [(3, 3, 64), (3, 3, 40), (2, 12, 128), (1, 17, 64)]
+# (KV heads, group, head_dim): the AVX-512 path takes up to 16 / (head_dim / 16) heads of a
+# group at once (17 and 5: a partial last batch of heads; 32 and 256: its other instances)
+SHAPES = [(3, 3, 64), (3, 3, 40), (2, 12, 128), (1, 17, 64), (2, 5, 32), (1, 2, 256)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -136,7 +138,7 @@ def test_decode_kernel_matches_dequantizing_reference(fmt: torch.dtype, qdtype: 
 
 def test_decode_kernel_avx512_bf16_path_without_amx(cpu_tier: CpuIsa) -> None:
     """On a CPU with AMX the bf16 tests above run the tile path; RADIXSERVE_NO_AMX=1 (read once
-    per process) makes them run the AVX512-BF16 path instead: the same tests, in a child."""
+    per process) makes them run the AVX-512 path instead: the same tests, in a child."""
     if cpu_tier is not CpuIsa.AMX:
         pytest.skip("the tile path exists at the amx tier only")
     env = {**os.environ, ENV_NO_AMX: "1"}

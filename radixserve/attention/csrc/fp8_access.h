@@ -39,16 +39,16 @@ inline float to_float(uint8_t b) {
 
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define RS_FP8_AVX512 1
-// 32 bytes -> 32 fp32 values, e4m3 as 2^-8 of its value (load32_factor: the caller folds the
-// 256 into its scales; e4m3: b << 8 puts the sign at bit 15 and the other 7 bits at 8..14, an
-// arithmetic shift right by one moves those to fp16's 7..13 and copies the sign into bit 14,
-// which the mask clears), with few instructions per value:
+// 32 bytes -> 32 fp32 values in two registers, e4m3 as 2^-8 of its value (load_factor: the
+// caller folds the 256 into its scales; e4m3: b << 8 puts the sign at bit 15 and the other 7
+// bits at 8..14, an arithmetic shift right by one moves those to fp16's 7..13 and copies the
+// sign into bit 14, which the mask clears), with few instructions per value and no table:
 // unpacking the bytes against zeros puts each into the high half of a 16-bit lane (e5m2's
 // fp16 bits) in one instruction per 16, but in the order of vpunpck's 128-bit lanes, so
-// dst holds bytes 0-7, 16-23, 8-15, 24-31: dst[f] = value of p[permuted32(f)]. Callers
-// permute q the same way (a dot product does not change) and the output back.
+// (a, b) hold bytes 0-7, 16-23, 8-15, 24-31: value f of a|b is that of p[permuted32(f)].
+// Callers permute q the same way (a dot product does not change) and the output back.
 template <Format F>
-inline void load32_permuted(const uint8_t* p, float* dst) {
+inline void widen32(const uint8_t* p, __m512& a, __m512& b) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   __m256i lo = _mm256_unpacklo_epi8(_mm256_setzero_si256(), x);
   __m256i hi = _mm256_unpackhi_epi8(_mm256_setzero_si256(), x);
@@ -57,17 +57,14 @@ inline void load32_permuted(const uint8_t* p, float* dst) {
     lo = _mm256_and_si256(_mm256_srai_epi16(lo, 1), mask);
     hi = _mm256_and_si256(_mm256_srai_epi16(hi, 1), mask);
   }
-  _mm512_storeu_ps(dst, _mm512_cvtph_ps(lo));
-  _mm512_storeu_ps(dst + 16, _mm512_cvtph_ps(hi));
+  a = _mm512_cvtph_ps(lo);
+  b = _mm512_cvtph_ps(hi);
 }
-// The byte (within a 32-byte block) that load32_permuted puts at float f (an involution).
+// The byte (within a 32-byte block) that widen32 puts at float f (an involution).
 inline int64_t permuted32(int64_t f) {
   const int64_t group = (f >> 3) & 3;
   return f + (group == 1 ? 8 : group == 2 ? -8 : 0);
 }
-// What load32_permuted's values must be multiplied by.
-template <Format F>
-constexpr float load32_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #else
 #define RS_FP8_AVX512 0
 #endif
@@ -75,7 +72,7 @@ constexpr float load32_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #if !RS_FP8_AVX512 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define RS_FP8_AVX2 1
 // 16 bytes -> 16 fp32 values in order, e4m3 as 2^-8 of its value (times load_factor, as
-// load32_permuted): each byte unpacked against zero into the high half of a 16-bit lane (e5m2:
+// widen32): each byte unpacked against zero into the high half of a 16-bit lane (e5m2:
 // fp16's bits; e4m3 shifted into fp16's fields alike), then vcvtph2ps per 8. At 128 bits the
 // unpacks keep the bytes' order: nothing to permute.
 template <Format F>
@@ -95,7 +92,7 @@ inline void load16(const uint8_t* p, float* dst) {
 #define RS_FP8_AVX2 0
 #endif
 #if RS_FP8_AVX512 || RS_FP8_AVX2
-// What load32_permuted's and load16's values must be multiplied by.
+// What widen32's and load16's values must be multiplied by.
 template <Format F>
 constexpr float load_factor() { return F == Format::E4M3 ? 256.f : 1.f; }
 #endif

@@ -1,7 +1,7 @@
 // Paged decode attention over an 8-bit KV pool for bf16 queries on CPUs with AMX-BF16 (head
 // dims multiple of 64, at most 16 query heads per KV head): decode_fp8_amx, which
 // paged_decode_fp8.cpp tries first. Without AMX (or where the kernel refuses this process the
-// tile state) it declines and the AVX512-BF16 path (paged_decode_fp8_bf16.cpp) runs instead.
+// tile state) it declines and the AVX-512 path (paged_decode_fp8_avx512.cpp) runs instead.
 //
 // Per request: the rows are converted to bf16 in L1 by table lookups (exact, fp8_access.h);
 // Q.K^T is one tile product per 16 keys and 32 dims (A: the keys' rows as stored, B: the
@@ -9,7 +9,7 @@
 // over keys with the heads in vector lanes, its bf16 probabilities transposed into rows per
 // head; P.V is one tile product per 32 keys and 16 dims (A: the group's probabilities, B: the
 // values as (key, next key) pairs). The tile unit does the multiply-adds, the vector units
-// only the conversions and the softmax: about half the vector work of the AVX512-BF16 path.
+// only the conversions and the softmax.
 // P is rounded to bf16 after the fp32 softmax, as there.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,7 +44,7 @@ constexpr int64_t BK = 16;  // keys per Q.K^T product (A's rows)
 constexpr int64_t BV = 32;  // keys per P.V product (A's columns, in pairs)
 
 // Linux hands out the AMX tile state on request, once per process; "1" in
-// RADIXSERVE_NO_AMX keeps the AVX512-BF16 path (to compare, or test, the two).
+// RADIXSERVE_NO_AMX keeps the AVX-512 path (to compare, or test, the two).
 bool amx_usable() {
   static const bool ok = [] {
     const char* off = std::getenv("RADIXSERVE_NO_AMX");

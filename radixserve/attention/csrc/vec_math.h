@@ -1,6 +1,6 @@
 // Vector math the attention kernels share (prefill_common.h, decode_common.h, the fp8 decode
 // kernels): an inline AVX-512 exp for softmax arguments, 16 horizontal sums at once, a 16 x 16
-// transpose; on the avx2 tier (x86-64-v3: AVX2, FMA) an 8-lane exp and 8 horizontal sums.
+// transpose; from the avx2 tier (x86-64-v3: AVX2, FMA) up, an 8-lane exp and 8 horizontal sums.
 // A build's name carries a digest of this header (platform/native_build.py): no version to bump.
 #pragma once
 
@@ -77,12 +77,14 @@ inline void transpose16(__m512* r) {
 }
 
 }  // namespace radixserve_vec
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace radixserve_vec {
 
-// exp_ps's 8-lane form for the avx2 tier: the same reduction and polynomial; 2^n built in the
+// exp_ps's 8-lane form for the avx2 tier (the 8-lane helpers are also built at the AVX-512
+// tiers, where the fp8 decode sums 8-lane partial dot products with sum8): the same reduction and polynomial; 2^n built in the
 // exponent field (n + 127 >= 11 for x >= -80: always a normal float), as AVX2 has no vscalefps.
 inline __m256 exp256(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
