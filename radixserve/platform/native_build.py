@@ -125,7 +125,7 @@ def load_cached(full_name: str) -> bool:
     if library is None or (library.parent / "lock").exists():
         return False
     try:
-        torch.ops.load_library(str(library))
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
     except OSError:
         return False
     return True
