@@ -74,6 +74,8 @@ MOE_EXPERTS = NativeExtension(
 
 EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM,
                                            MOE_EXPERTS)
+# What every source above includes: --check-builds precompiles it once per tier
+PRELUDE = ("ATen/ATen.h",)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from radixserve.platform.check_builds import check_builds, format_table
 
-    results = check_builds(EXTENSIONS, jobs=args.jobs)
+    results = check_builds(EXTENSIONS, jobs=args.jobs, prelude=PRELUDE)
     print(format_table(results))
     return 0 if all(r.ok for r in results) else 1
 

@@ -2,9 +2,10 @@
 
 Owns: `NativeExtension` (what an extension is: its sources, base flags and the ops it
 registers), `build_extension(ext, tier)` (compile, or load the cached build of, one
-(extension, tier) pair: once per process, and a failure once per machine), and the failure
-markers. Does not know: which tier a process runs, falling back between tiers, the table of
-extensions (platform/kernels.py), what the ops compute.
+(extension, tier) pair: once per process, and a failure once per machine; a cached build is
+loaded directly, `load_cached`), and the failure markers. Does not know: which tier a process
+runs, falling back between tiers, the table of extensions (platform/kernels.py), what the ops
+compute.
 
 A build's name carries its tier and a digest of its sources, the headers beside them and its
 flags, so a changed header is a fresh build (no version to bump by hand) and a cache folder
@@ -113,6 +114,23 @@ def cached_build(full_name: str) -> Path | None:
     return library if library.is_file() else None
 
 
+def load_cached(full_name: str) -> bool:
+    """Load `full_name`'s cached library straight away; False where there is none, where
+    another process holds its build folder's lock (building it: torch's `load` waits for
+    that), or where it does not load. torch's `load` of a cached build writes a ninja file,
+    checks the compiler and runs ninja to find nothing to do: most of a start's kernel
+    loading. The name's digest already says the library was built from these sources,
+    headers and flags."""
+    library = cached_build(full_name)
+    if library is None or (library.parent / "lock").exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except OSError:
+        return False
+    return True
+
+
 def compiler() -> Path | None:
     """The C++ compiler torch's loader runs ($CXX, else c++), resolved; None if not found."""
     found = shutil.which(os.environ.get("CXX") or "c++")
@@ -174,6 +192,8 @@ def build_extension(ext: NativeExtension, tier: CpuIsa) -> BuildOutcome:
     if building:
         logger.info("building the native %s (first start on this machine only; cached under "
                     "$TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)", what)
+    if not building and load_cached(full_name):
+        return BuildOutcome(ok=True)
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load

@@ -6,6 +6,7 @@ is left."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.routing.route_key import HFPromptEncoder
 from tests.engine.test_tensor_parallel import gone
-from tests.server_proc import ServerProc, free_port, running_server
+from tests.server_proc import ServerProc, free_port, running_server, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -64,8 +65,9 @@ def exercise(server: ServerProc) -> dict[str, Any]:
 
 
 def test_tp2_serves_the_openai_routes_exactly_as_tp1(tiny_llama: Path, tmp_path: Path) -> None:
-    with running_server(tiny_llama, tmp_path / "tp1.log") as tp1, \
-            running_server(tiny_llama, tmp_path / "tp2.log", TP2) as tp2:
+    with contextlib.ExitStack() as stack:
+        tp1, tp2 = start_all(stack, [(tiny_llama, tmp_path / "tp1.log", []),
+                                     (tiny_llama, tmp_path / "tp2.log", TP2)])
         info = tp2.info()
         assert info["engine_info"]["tensor_parallel_size"] == 2
         assert len(info["engine_info"]["tp_worker_pids"]) == 1
@@ -80,8 +82,9 @@ def test_tp2_serves_the_openai_routes_exactly_as_tp1(tiny_llama: Path, tmp_path:
 
 
 async def test_a_router_in_front_of_two_tp2_replicas(tiny_llama: Path, tmp_path: Path) -> None:
-    with running_server(tiny_llama, tmp_path / "a.log", TP2) as a, \
-            running_server(tiny_llama, tmp_path / "b.log", TP2) as b:
+    with contextlib.ExitStack() as stack:
+        a, b = start_all(stack, [(tiny_llama, tmp_path / "a.log", TP2),
+                                 (tiny_llama, tmp_path / "b.log", TP2)])
         cfg = RouterConfig(workers=(a.url, b.url), health_interval_s=0.2)
         runner, url = await start_app(create_app(cfg, encoder=HFPromptEncoder(tiny_llama)))
         try:

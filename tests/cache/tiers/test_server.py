@@ -5,6 +5,7 @@ replica A computed through --kv-shared-dir (no router), a restarted server on th
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.request
 from pathlib import Path
@@ -14,7 +15,7 @@ import orjson
 import pytest
 import torch
 
-from tests.server_proc import ServerProc, running_server
+from tests.server_proc import ServerProc, running_server, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,8 +47,9 @@ def test_replica_b_serves_what_replica_a_computed(tier_model: Path, tmp_path: Pa
     shared = tmp_path / "shared"
     args = ["--kv-cache-tokens", "2048", "--max-model-len", "512", "--kv-shared-dir", str(shared)]
     ids = prompt(1)
-    with running_server(tier_model, tmp_path / "a.log", [*args, "--enable-kv-events"]) as a, \
-            running_server(tier_model, tmp_path / "b.log", args) as b:
+    with contextlib.ExitStack() as stack:
+        a, b = start_all(stack, [(tier_model, tmp_path / "a.log", [*args, "--enable-kv-events"]),
+                                 (tier_model, tmp_path / "b.log", args)])
         text_a, cached_a = complete(a, ids)
         assert cached_a == 0
         deadline = time.monotonic() + 60

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,7 +19,7 @@ from router.app import ROUTER_KEY, create_app
 from router.config import RouterConfig
 from router.proxy.stream_state import why_not_resumable
 from router.routing.route_key import RequestKind
-from tests.router.proxy.smollm2_fleet import smollm2_fleet
+from tests.router.proxy.smollm2_fleet import Replicas, smollm2_fleet
 from tests.sse import openai_chunks
 from tests.waiting import wait_until
 
@@ -147,9 +146,9 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: Collected) ->
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
 async def test_sigkill_mid_stream_resumes_eight_streams_token_identically(
-        tmp_path: Path) -> None:
-    async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
-        reference = [await collect(s, f.servers[0].url, i, Collected()) for i in range(8)]
+        smollm2_replicas: Replicas) -> None:
+    async with smollm2_fleet(smollm2_replicas) as f, aiohttp.ClientSession() as s:
+        reference = await f.each_alone(8, lambda url, i: collect(s, url, i, Collected()))
         live = [Collected() for _ in range(8)]
         tasks = [asyncio.create_task(collect(s, f.url, i, live[i])) for i in range(8)]
         await wait_until(lambda: all(c.num_chunks >= 6 for c in live), timeout=300,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,7 +15,7 @@ import orjson
 import pytest
 
 from router.config import RouterConfig
-from tests.router.proxy.smollm2_fleet import smollm2_fleet
+from tests.router.proxy.smollm2_fleet import Replicas, smollm2_fleet
 from tests.router.proxy.test_failover import Breaking, through_fakes
 from tests.sse import openai_chunks
 
@@ -131,9 +130,10 @@ async def collect(s: aiohttp.ClientSession, url: str, i: int, out: PerChoice) ->
 @pytest.mark.slow
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
-async def test_sigkill_mid_stream_with_two_seeded_choices_and_logprobs(tmp_path: Path) -> None:
-    async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
-        want = [await collect(s, f.servers[0].url, i, PerChoice()) for i in range(4)]
+async def test_sigkill_mid_stream_with_two_seeded_choices_and_logprobs(
+        smollm2_replicas: Replicas) -> None:
+    async with smollm2_fleet(smollm2_replicas) as f, aiohttp.ClientSession() as s:
+        want = await f.each_alone(4, lambda url, i: collect(s, url, i, PerChoice()))
         live = [PerChoice() for _ in range(4)]
         tasks = [asyncio.create_task(collect(s, f.url, i, live[i])) for i in range(4)]
         got = await f.kill_when(tasks, lambda: all(len(c.text.get(k, "")) >= 20

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.router.proxy.smollm2_fleet import smollm2_fleet
+from tests.router.proxy.smollm2_fleet import Replicas, smollm2_fleet
 from tests.sse import openai_chunks
 
 MAX_TOKENS = 40
@@ -73,12 +72,12 @@ def stop_string(seen: Seen) -> tuple[str, int]:
 @pytest.mark.slow
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
-async def test_sigkill_inside_stop_strings_with_seeded_sampling(tmp_path: Path) -> None:
-    async with smollm2_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
-        first = f.servers[0].url
-        free = [await collect(s, first, i, None, Seen()) for i in range(8)]
+async def test_sigkill_inside_stop_strings_with_seeded_sampling(
+        smollm2_replicas: Replicas) -> None:
+    async with smollm2_fleet(smollm2_replicas) as f, aiohttp.ClientSession() as s:
+        free = await f.each_alone(8, lambda url, i: collect(s, url, i, None, Seen()))
         stops = [stop_string(x) for x in free]
-        want = [await collect(s, first, i, stops[i][0], Seen()) for i in range(8)]
+        want = await f.each_alone(8, lambda url, i: collect(s, url, i, stops[i][0], Seen()))
         for i, w in enumerate(want):  # the uninterrupted run stops where it should
             assert w.text == free[i].text[:stops[i][1]] and w.finish == ["stop"], i
         live = [Seen() for _ in range(8)]
