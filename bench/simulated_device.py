@@ -1,6 +1,8 @@
 """Overlap scheduling measured without a GPU: the forward replaced by a wait of T ms that
 releases the GIL (as a GPU kernel does), run on a simulated device (a worker thread, in
-order, as a CUDA stream), step time with and without overlap.
+order, as a CUDA stream), step time with and without overlap. As on a GPU, the host
+launches (the engine's launch code and the forward's Python run on the host thread) and
+only the forward's device time, the wait, runs on the device.
 
     python -m bench.overhead --simulated-device-ms 5      # batches 1, 64, 256
 
@@ -18,16 +20,25 @@ from typing import Any
 
 import torch
 
+from radixserve.engine.overlap import DeviceQueue
+
 WARM_STEPS = 4
 
 
-def _sleeping_forward(seconds: float, waits: list[float]) -> Any:
-    """`waits` gets each wait's real length: on a loaded machine a sleep overshoots, and the
-    device time the overlap can hide is the real one."""
-    def forward(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _sleeping_forward(seconds: float, waits: list[float], queue: DeviceQueue | None) -> Any:
+    """The forward's device time as a wait: queued on the simulated device (`queue`), or
+    waited here (a synchronous device). `waits` gets each wait's real length: on a loaded
+    machine a sleep overshoots, and the device time the overlap can hide is the real one."""
+    def wait() -> None:
         t = time.perf_counter()
         time.sleep(seconds)  # the GIL is free meanwhile, as during a GPU kernel
         waits.append(time.perf_counter() - t)
+
+    def forward(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if queue is None:
+            wait()
+        else:
+            queue.submit(wait)  # launched: the host goes on, as after a kernel launch
         logit_rows = args[4]  # (positions, meta, k, v, logit_rows, scales)
         return torch.zeros((logit_rows.shape[0], 1024), dtype=torch.float32)  # (N, vocab)
     return forward
@@ -36,12 +47,13 @@ def _sleeping_forward(seconds: float, waits: list[float]) -> Any:
 def step_ms(model: str, batch: int, steps: int, device_ms: float, overlap: bool
             ) -> tuple[float, float]:
     """Median wall ms of a decode step at `batch` requests (greedy, ignore_eos), and the
-    median real length of the simulated forward's wait."""
+    median real length of the simulated forward's wait over the same steps (with overlap the
+    timed steps wait for the forwards launched one step earlier: the same count)."""
     from radixserve import LLM
-    from radixserve.engine.overlap import DeviceQueue
     from radixserve.ipc.messages import GenerateMsg
     from radixserve.types import SamplingParams
 
+    queue = DeviceQueue() if overlap else None
     llm = LLM(model=model, dtype="float32", device="cpu", num_threads=1,
               max_running_requests=batch, kv_cache_tokens=max(batch, 4) * 512,
               max_model_len=512,
@@ -51,19 +63,20 @@ def step_ms(model: str, batch: int, steps: int, device_ms: float, overlap: bool
     # NOTE: the bench patches the model instance (no second model class for one bench)
     waits: list[float] = []
     engine.runner.model.forward = _sleeping_forward(  # type: ignore[method-assign]
-        device_ms / 1e3, waits)
-    if overlap:
-        engine.device_queue = DeviceQueue()
+        device_ms / 1e3, waits, queue)
+    engine.device_queue = queue
     params = SamplingParams(temperature=0, max_tokens=steps + WARM_STEPS + 4, ignore_eos=True)
     for i in range(batch):
         engine.add_request(GenerateMsg(f"s{i}", [3 + i % 500] * 16, params))
     for _ in range(WARM_STEPS):
         engine.step()
     times = []
+    waits.clear()  # the waits of the timed steps only (the prefill's and the drain's vary)
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    waits[:] = waits[:steps]
     for i in range(batch):
         engine.abort(f"s{i}")
     while engine.has_work():

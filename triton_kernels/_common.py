@@ -119,6 +119,27 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> 
     assert out.stride(2) == 1, "out must be contiguous in head_dim"
 
 
+def check_lora_operands(x: torch.Tensor, stack: torch.Tensor, y: torch.Tensor, *,
+                        fp32: torch.Tensor, token_slot: torch.Tensor | None = None) -> None:
+    """Either half of a LoRA delta, as one shape: y (T, N) from x (T, K) and each slot's
+    weight in stack (S, N, K) (shrink: x, A, t; expand: t, B, y). `fp32`: whichever of x and y
+    is the rank-wide buffer t, which is float32; `token_slot` (T,): the per-token (BGMV) form."""
+    assert x.dim() == 2 and stack.dim() == 3 and y.dim() == 2, (
+        f"x (T, K), stack (S, N, K), y (T, N): got {tuple(x.shape)}, {tuple(stack.shape)}, "
+        f"{tuple(y.shape)}")
+    tokens, k = x.shape
+    assert stack.shape[2] == k, f"stack {tuple(stack.shape)} vs x {tuple(x.shape)}"
+    want = (tokens, stack.shape[1])
+    assert tuple(y.shape) == want, f"y must be {want}, got {tuple(y.shape)}"
+    assert fp32.dtype == torch.float32, f"t (T, R) must be float32, got {fp32.dtype}"
+    assert x.stride(1) == 1 and stack.stride(2) == 1 and y.stride(1) == 1, (
+        "x, stack and y must be contiguous in their last dimension")
+    assert x.device == stack.device == y.device, (x.device, stack.device, y.device)
+    if token_slot is not None:
+        assert tuple(token_slot.shape) == (tokens,), (
+            f"token_slot must be ({tokens},), got {tuple(token_slot.shape)}")
+
+
 def dot_flags(device: torch.device, dtype: torch.dtype) -> tuple[str, bool]:
     """(input_precision for tl.dot, whether to upcast dot operands to fp32).
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import cdiv, check_launchable, next_pow2
+from triton_kernels._common import cdiv, check_launchable, check_lora_operands, next_pow2
 
 BLOCK_M = 16
 BLOCK_N = 64
@@ -68,15 +68,6 @@ def _bgmv_expand_kernel(t, b, y, token_slot, stride_t, stride_bs, stride_bn, str
     tl.store(ptrs, (yv + delta).to(y.dtype.element_ty), mask=col_ok)
 
 
-def _check(t: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor) -> None:
-    assert t.dim() == 2 and b_stack.dim() == 3 and y.dim() == 2, (t.shape, b_stack.shape)
-    assert t.dtype == torch.float32 and t.shape == (y.shape[0], b_stack.shape[2]), (
-        f"t must be float32 {(y.shape[0], b_stack.shape[2])}, got {t.dtype} {t.shape}")
-    assert b_stack.shape[1] == y.shape[1], f"B stack {tuple(b_stack.shape)} vs y {y.shape}"
-    assert t.stride(1) == 1 and b_stack.stride(2) == 1 and y.stride(1) == 1
-    assert t.device == b_stack.device == y.device
-
-
 def lora_expand(t: torch.Tensor,  # (T, R) float32, the shrink's output
                 b_stack: torch.Tensor,  # (S, N, R): slot s's B (scaling folded in)
                 y: torch.Tensor,  # (T, N), added to in place
@@ -85,7 +76,7 @@ def lora_expand(t: torch.Tensor,  # (T, R) float32, the shrink's output
                 seg_slot: torch.Tensor,  # (G,) int32, -1: the base model
                 max_seg_len: int) -> torch.Tensor:
     """SGMV expand over segments (see lora_shrink for `max_seg_len`)."""
-    _check(t, b_stack, y)
+    check_lora_operands(t, b_stack, y, fp32=t)
     if y.shape[0] == 0 or max_seg_len == 0:
         return y
     check_launchable(_sgmv_expand_kernel, y.device)
@@ -104,8 +95,7 @@ def lora_expand_tokens(t: torch.Tensor,  # (T, R) float32
                        token_slot: torch.Tensor,  # (T,) int32, -1: base
                        ) -> torch.Tensor:
     """BGMV expand: one program per (token, BLOCK_N columns) (decode)."""
-    _check(t, b_stack, y)
-    assert token_slot.shape == (y.shape[0],)
+    check_lora_operands(t, b_stack, y, fp32=t, token_slot=token_slot)
     if y.shape[0] == 0:
         return y
     check_launchable(_bgmv_expand_kernel, y.device)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import cdiv, check_launchable, next_pow2
+from triton_kernels._common import cdiv, check_launchable, check_lora_operands, next_pow2
 
 BLOCK_M = 16
 BLOCK_K = 32
@@ -79,15 +79,6 @@ def _bgmv_shrink_kernel(x, a, out, token_slot, stride_x, stride_as, stride_ar, s
     tl.store(out + tok * stride_o + rs, acc, mask=r_ok)
 
 
-def _check(x: torch.Tensor, a_stack: torch.Tensor, out: torch.Tensor) -> None:
-    assert x.dim() == 2 and a_stack.dim() == 3, (x.shape, a_stack.shape)
-    assert a_stack.shape[2] == x.shape[1], f"A stack {tuple(a_stack.shape)} vs x {x.shape}"
-    assert out.shape == (x.shape[0], a_stack.shape[1]) and out.dtype == torch.float32, (
-        f"out must be float32 {(x.shape[0], a_stack.shape[1])}, got {out.dtype} {out.shape}")
-    assert x.stride(1) == 1 and a_stack.stride(2) == 1 and out.stride(1) == 1
-    assert x.device == a_stack.device == out.device
-
-
 def lora_shrink(x: torch.Tensor,  # (T, K)
                 a_stack: torch.Tensor,  # (S, R, K): slot s's A
                 out: torch.Tensor,  # (T, R) float32; rows of base tokens are left as they are
@@ -97,7 +88,7 @@ def lora_shrink(x: torch.Tensor,  # (T, K)
                 max_seg_len: int) -> torch.Tensor:
     """SGMV shrink over segments. `max_seg_len`: a bound on every segment's length (the token
     count, for a graph captured per batch size)."""
-    _check(x, a_stack, out)
+    check_lora_operands(x, a_stack, out, fp32=out)
     if x.shape[0] == 0 or max_seg_len == 0:
         return out
     check_launchable(_sgmv_shrink_kernel, x.device)
@@ -116,8 +107,7 @@ def lora_shrink_tokens(x: torch.Tensor,  # (T, K)
                        token_slot: torch.Tensor,  # (T,) int32 slot per token, -1: base
                        ) -> torch.Tensor:
     """BGMV shrink: one program per token (decode)."""
-    _check(x, a_stack, out)
-    assert token_slot.shape == (x.shape[0],)
+    check_lora_operands(x, a_stack, out, fp32=out, token_slot=token_slot)
     if x.shape[0] == 0:
         return out
     check_launchable(_bgmv_shrink_kernel, x.device)

@@ -34,6 +34,7 @@ from triton_kernels._common import cdiv, check_launchable, dot_flags
 
 INT4, INT8, FP8 = 0, 1, 2  # the canonical kinds (radixserve.model.quantization.qweight.Kind)
 FP8_MAX = 448.0
+FP8_DOT_MIN_K = 32  # the shallowest fp8 x fp8 tl.dot the GPU compiler accepts
 SPLIT_K_MAX_ROWS = 16  # at or below: split-K (the rows alone fill too few programs)
 
 
@@ -189,11 +190,14 @@ def fp8_w8a8_matmul(x: torch.Tensor, w: GpuQuantWeight) -> torch.Tensor:
     xq, xs = quantize_act_fp8(x, group)
     out = torch.empty(m, w.n, dtype=torch.float32, device=x.device)
     block_m, block_n = 16, 64
+    block_k = fp8_block_k(w.k, group)
     _, upcast = dot_flags(x.device, x.dtype)
     grid = (cdiv(m, block_m), cdiv(w.n, block_n))
+    # An fp8 tl.dot needs K >= 32 (sm_90 does not compile a 16-deep one: aot_check):
+    # 16-wide tiles multiply upcast to fp32 (exact, as on CPU).
     _fp8_kernel[grid](xq, xs, w.codes, w.scale, out, m, w.n, w.k, xs.shape[1], xq.stride(0),
                       w.codes.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_K=fp8_block_k(w.k, group), UPCAST=upcast)
+                      BLOCK_K=block_k, UPCAST=upcast or block_k < FP8_DOT_MIN_K)
     return out.to(x.dtype)
 
 

@@ -189,8 +189,14 @@ def _make_decode_plan(meta: AttentionMetadata, window: int | None) -> _DecodePla
     is the case of one token per request (built once per forward, not per layer). A window
     (meta without groups) raises each token's start to its position + 1 - window."""
     starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
-    ext = meta.extend_lens.long()
     T = sum(meta.extend_lens_cpu)
+    if T == meta.batch_size:  # a decode step, one token each: the per-request rows as they are
+        ends = meta.seq_lens.long()  # (B,) its position + 1
+        if window is not None:
+            starts = torch.maximum(starts.long(), (ends - window).clamp(min=0))
+        return _DecodePlan(meta.slot_table, meta.rows.long(), starts.long(), ends,
+                           _groups(meta))
+    ext = meta.extend_lens.long()
 
     def per_token(x: torch.Tensor) -> torch.Tensor:  # (B,) -> (T,)
         return torch.repeat_interleave(x.long(), ext, output_size=T)

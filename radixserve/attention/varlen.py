@@ -55,6 +55,8 @@ class Split:
 
 
 def split_batch(meta: AttentionMetadata) -> Split:
+    if meta.max_extend_len < MIN_VARLEN_TOKENS:  # no long chunk (every decode step): no scan
+        return Split((), meta, None)
     long = tuple(b for b, n in enumerate(meta.extend_lens_cpu) if n >= MIN_VARLEN_TOKENS)
     if not long:
         return Split((), meta, None)

@@ -81,6 +81,7 @@ class DecodeFixed:
     shared: tuple[SharedPrefix, ...]  # tree pages do not change while a request decodes
     own_start: torch.Tensor  # (B,) int64
     own_start_cpu: tuple[int, ...]
+    base_only: bool  # no request has an adapter (a request's adapter is set before it runs)
 
     @staticmethod
     def build(rows: DecodeRows, read_shared: bool, dev: torch.device) -> DecodeFixed:
@@ -91,4 +92,5 @@ class DecodeFixed:
             torch.ones(n, dtype=torch.int32, device=dev), (1,) * n,
             torch.arange(n + 1, dtype=torch.int32, device=dev),
             torch.arange(n, dtype=torch.int64, device=dev), tuple(rows.rows), tuple(shared),
-            torch.tensor(own_start, dtype=torch.int64, device=dev), tuple(own_start))
+            torch.tensor(own_start, dtype=torch.int64, device=dev), tuple(own_start),
+            all(r.lora is None for r in rows.reqs))

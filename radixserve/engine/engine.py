@@ -190,6 +190,8 @@ class Engine:
             sample = self._prefill_sample(batch)
             start = self.clock.start() if sample is not None else None
             result = self.runner.run(batch)
+            if self.device_queue is not None:  # as reading the tokens syncs a CUDA stream
+                self.device_queue.record().result()
             if start is not None and sample is not None:
                 self.clock.stop(start, sample)
             outputs = self.scheduler.process_outputs(batch, result.token_ids, result.logprobs)

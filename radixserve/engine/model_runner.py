@@ -319,8 +319,9 @@ class ModelRunner:
         write_slot_table(self.pool.slot_table, meta, positions_t, table_back)
         ids_t = (torch.empty(len(pos), dtype=torch.int64, device=dev) if placeholders
                  else torch.tensor(ids, dtype=torch.int64, device=dev))  # (B,)
-        return StepInputs(ids_t, positions_t, meta, fixed.arange, table_back,
-                          lora_batch(reqs, fixed.ones_cpu, len(pos), True, self.lora_slots))
+        lora = None if fixed.base_only else lora_batch(reqs, fixed.ones_cpu, len(pos), True,
+                                                       self.lora_slots)
+        return StepInputs(ids_t, positions_t, meta, fixed.arange, table_back, lora)
 
     def run(self, batch: Batch) -> SampleResult:
         """Forward the batch; sample one token for every entry with `sample` set, in order (an

@@ -16,13 +16,17 @@ speculation, no prompt waiting, no preemption needed). Anything else drains the 
 flight first and runs synchronously, as with --disable-overlap-schedule.
 
 Owns: the step in flight (InFlight) and launching a step on the device, a simulated device
-included (DeviceQueue: a worker thread that runs the device work in order, as a CUDA stream
-does; bench.overhead and tests use it on CPU). Reads the batch and requests, never writes a
-request (the scheduler does, through advance and process_outputs). Does not know: HTTP.
+included (DeviceQueue: a CUDA stream's stand-in on CPU, for bench.overhead and tests). The
+host always runs the launch itself (inputs, placeholders, the model's Python forward, the
+sampler's call): on CUDA that queues kernels; on a simulated device the forward queues its
+device time on the DeviceQueue and the step's tokens are read once the queue ran past the
+step's marker. Reads the batch and requests, never writes a request (the scheduler does,
+through advance and process_outputs). Does not know: HTTP.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,15 +40,23 @@ if TYPE_CHECKING:
     from radixserve.engine.model_runner import ModelRunner
 
 
+def _reached() -> None:
+    """A marker's work: nothing (its future completes once the queue got this far)."""
+
+
 class DeviceQueue:
-    """A simulated asynchronous device: device work runs on one worker thread, in order."""
+    """A simulated asynchronous device: the device time of the work the host launched (a
+    forward's kernels, as a wait) runs on one worker thread, in order, as a CUDA stream runs
+    kernels; `record` marks the point after everything queued so far, as a CUDA event."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sim-device")
 
-    def submit(self, work: object) -> Future[torch.Tensor]:
-        assert callable(work)
+    def submit(self, work: Callable[[], None]) -> Future[None]:
         return self._pool.submit(work)
+
+    def record(self) -> Future[None]:
+        return self._pool.submit(_reached)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -56,20 +68,18 @@ class InFlight:
 
     batch: Batch
     rows: DecodeRows
-    tokens: torch.Tensor | None  # (B,) on the device (None on a simulated device: future)
-    future: Future[torch.Tensor] | None = None
+    tokens: torch.Tensor  # (B,) on the device
+    marker: Future[None] | None = None  # a simulated device's: the step ran
     host: torch.Tensor | None = None  # (B,) pinned, filled by an async copy (CUDA)
     event: torch.cuda.Event | None = None
 
     def token_ids(self) -> list[int]:
         """Block until the step's tokens are on the host."""
-        if self.future is not None:
-            result: list[int] = self.future.result().tolist()
-            return result
+        if self.marker is not None:
+            self.marker.result()
         if self.event is not None and self.host is not None:
             self.event.synchronize()
             return self.host.tolist()
-        assert self.tokens is not None
         return self.tokens.tolist()
 
 
@@ -94,19 +104,15 @@ def launch(runner: ModelRunner, batch: Batch, prev: InFlight | None,
     assert rows is not None and rows.overlap_ok
     # Host work: positions, slots, the slot table; the ids on the device after `prev`.
     inputs = runner.prepare(batch, placeholders=prev is not None)
-
-    def device_work(prev_tokens: torch.Tensor | None) -> torch.Tensor:  # (B,)
-        if prev is not None and prev_tokens is not None:
-            resolve_pending(inputs.input_ids, rows, prev.rows, prev_tokens)
-        logits = runner.logits(batch, inputs)  # (B, vocab)
-        return runner.sampler.sample_tensor(logits, rows.reqs, rows.plain_sampling)
-
+    # The launch, on the host as on CUDA: the placeholders' copy, the forward and the
+    # sampling are queued behind `prev` on the device (a simulated device: the forward
+    # queued its device time there); nothing here waits for `prev`.
+    if prev is not None:
+        resolve_pending(inputs.input_ids, rows, prev.rows, prev.tokens)
+    logits = runner.logits(batch, inputs)  # (B, vocab)
+    tokens = runner.sampler.sample_tensor(logits, rows.reqs, rows.plain_sampling)  # (B,)
     if queue is not None:
-        before = None if prev is None else prev.future
-        future = queue.submit(
-            lambda: device_work(None if before is None else before.result()))
-        return InFlight(batch, rows, None, future)
-    tokens = device_work(None if prev is None else prev.tokens)
+        return InFlight(batch, rows, tokens, queue.record())
     if tokens.device.type != "cuda":
         return InFlight(batch, rows, tokens)
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -32,7 +32,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     if dtype == torch.float32:
         # The parity dtype: HF's exact sequence of operations.
         xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf
+        return xf.mul_(weight)  # weight * xf in place: the same products, one tensor fewer
     # One fp32-accumulating reduction over the bf16 input instead of upcasting it first, and
     # the fp32 scale fused into the multiply: faster than F.rms_norm on CPU, and closer to HF (it rounds once where F.rms_norm's bf16 path rounds twice).
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # (T, 1)

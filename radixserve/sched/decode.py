@@ -46,6 +46,10 @@ class DecodeRows:
     stop_ids: np.ndarray  # (S,) int64
     limits: np.ndarray  # (B,) int64: num_tokens at which request i ends by length
     exact: np.ndarray  # (B,) bool
+    # What each request's TokenOutput repeats while it runs (fixed from admission on)
+    rids: tuple[str, ...]
+    prompt_lens: tuple[int, ...]
+    cached_lens: tuple[int, ...]
 
 
 def build_rows(reqs: list[Req], version: int, eos_ids: frozenset[int],
@@ -69,7 +73,9 @@ def build_rows(reqs: list[Req], version: int, eos_ids: frozenset[int],
         limits=np.array([min(r.num_prompt_tokens + r.max_new_tokens, max_model_len)
                          for r in reqs], dtype=np.int64).reshape(-1),
         exact=np.array([r.grammar is not None or r.params.min_tokens > 0 for r in reqs],
-                       dtype=bool).reshape(-1))
+                       dtype=bool).reshape(-1),
+        rids=tuple(r.rid for r in reqs), prompt_lens=tuple(r.num_prompt_tokens for r in reqs),
+        cached_lens=tuple(r.num_cached_tokens for r in reqs))
 
 
 def plan_decode(s: Scheduler) -> Batch | None:

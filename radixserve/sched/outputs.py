@@ -10,6 +10,7 @@ writer of a status). Does not know: tensors (token ids arrive as ints), sampling
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +20,7 @@ from radixserve.sched.request_rules import stop_reason
 from radixserve.types import TokenLogprobs, TokenOutput
 
 if TYPE_CHECKING:
+    from radixserve.sched.decode import DecodeRows
     from radixserve.sched.scheduler import Scheduler
 
 
@@ -83,6 +85,8 @@ def _decode_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
     # After this step request i holds positions[i] + 2 tokens (its last one had no KV).
     full = (np.isin(tokens, rows.stop_ids) | rows.exact
             | (np.asarray(batch.positions, dtype=np.int64) + 2 >= rows.limits))  # (B,)
+    if logprobs is None and rows.version == s.running_version:
+        return _live_outputs(s, rows, token_ids, full, advanced)
     outputs: list[TokenOutput] = []
     lps = logprobs if logprobs is not None else [None] * len(token_ids)
     appended = 0
@@ -103,10 +107,37 @@ def _decode_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
     return outputs
 
 
+def _live_outputs(s: Scheduler, rows: DecodeRows, token_ids: list[int], full: np.ndarray,
+                  advanced: bool) -> list[TokenOutput]:
+    """_decode_outputs when the running set is the one the step was planned for (so no
+    request of it finished or was aborted since) and nothing asks for logprobs: the
+    counters and the tokens in one tight loop, the outputs built by map over what the rows
+    keep, and only the flagged requests (`full`) through the stop rules."""
+    reqs = rows.reqs
+    if advanced:  # advance() moved the counters at launch
+        for req, token in zip(reqs, token_ids, strict=True):
+            req.token_ids.append(token)
+    else:
+        for req, token in zip(reqs, token_ids, strict=True):
+            req.num_table_slots = req.num_computed_tokens = req.num_computed_tokens + 1
+            req.token_ids.append(token)
+    s.counters.generation_tokens += len(reqs)
+    outputs = list(map(TokenOutput, rows.rids, token_ids, repeat(None), rows.prompt_lens,
+                       rows.cached_lens))
+    for i in np.flatnonzero(full).tolist():
+        outputs[i] = _stop(s, reqs[i], token_ids[i], None)
+    return outputs
+
+
 def _append(s: Scheduler, req: Req, token: int, lp: TokenLogprobs | None) -> TokenOutput:
     """Append one kept token, apply the stop rules; finish the request if one fires."""
     req.token_ids.append(token)
     s.counters.generation_tokens += 1
+    return _stop(s, req, token, lp)
+
+
+def _stop(s: Scheduler, req: Req, token: int, lp: TokenLogprobs | None) -> TokenOutput:
+    """The stop rules for the token just appended; finish the request if one fires."""
     reason = stop_reason(req, token, s.eos_token_ids, s.max_model_len)
     if reason is not None:
         s.end(req, reason)

@@ -187,6 +187,11 @@ class Scheduler:
             return decode
         return Batch(Phase.MIXED, decode.entries + prefill.entries, num_decodes=decode.size)
 
+    @property
+    def running_version(self) -> int:
+        """Bumped whenever a request joins or leaves the running set."""
+        return self._running_version
+
     def decode_rows(self) -> DecodeRows:
         """The persistent view of the running set, rebuilt only after it changed."""
         rows = self._rows

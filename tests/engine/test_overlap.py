@@ -4,13 +4,16 @@ Greedy fp32 on CPU with overlap forced on (`overlap_on_cpu`; on CUDA it is the d
 batch mixing max_tokens limits, stop token ids and EOS, a grammar-constrained request and a
 seeded sampled one (both run without overlap while in the batch), preemption (a small pool),
 and speculation (its requests run without overlap); on the synchronous device and on a
-simulated asynchronous one (DeviceQueue: a worker thread, as a CUDA stream). Each run checks
+simulated asynchronous one (DeviceQueue: a worker thread running the forwards' device time
+in order, as a CUDA stream, while the host launches ahead). Each run checks
 the page invariant after every step and that steps really overlapped. Stop strings are matched
 by the API process on the streamed token ids, which are these.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,16 @@ def batch_params(stop_id: int) -> list[SamplingParams]:
 def run(llm: LLM, params: list[SamplingParams], queue: bool = False) -> list[list[int]]:
     engine = llm.engine
     if queue:
-        engine.device_queue = DeviceQueue()
+        # Each forward also queues 1 ms of device time, so the host runs ahead of the device
+        # and reads a step's tokens only after the device got past it (InFlight.marker).
+        engine.device_queue = device = DeviceQueue()
+        forward = engine.runner.model.forward
+
+        def launched(*args: Any, **kwargs: Any) -> Any:
+            device.submit(functools.partial(time.sleep, 0.001))
+            return forward(*args, **kwargs)
+
+        engine.runner.model.forward = launched  # type: ignore[method-assign]
     for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(GenerateMsg(f"r{i}", p, sp))
     toks: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}

@@ -69,3 +69,25 @@ def test_segment_bound_larger_than_segments_is_harmless() -> None:
     t = torch.zeros(7, 4, device=DEVICE)
     got = lora_expand(lora_shrink(x, a, t, *seg, 64), b, y.clone(), *seg, 64)
     torch.testing.assert_close(got, lora_ref(x, a, b, y, token_slot), rtol=1e-5, atol=1e-5)
+
+
+def test_both_halves_check_their_operands_alike() -> None:
+    """The shrink and the expand share one argument check (triton_kernels/_common.py): each
+    refuses a rank buffer that is not float32, a stack of the wrong width and a token_slot
+    of the wrong length, before any launch."""
+    x, a, b, y, token_slot = _case([2, 2], [0, 1], 32, 24, 4, 2, torch.float32)
+    seg = [torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in ([0, 2], [2, 2], [0, 1])]
+    t16 = torch.zeros(4, 4, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(AssertionError, match="must be float32"):
+        lora_shrink(x, a, t16, *seg, 2)
+    with pytest.raises(AssertionError, match="must be float32"):
+        lora_expand(t16, b, y, *seg, 2)
+    t = torch.zeros(4, 4, device=DEVICE)
+    with pytest.raises(AssertionError, match="stack"):
+        lora_shrink(x, b, t, *seg, 2)  # B (S, N, R) where A (S, R, K) belongs
+    with pytest.raises(AssertionError, match="stack"):
+        lora_expand(t, a, y, *seg, 2)
+    with pytest.raises(AssertionError, match="token_slot"):
+        lora_shrink_tokens(x, a, t, token_slot[:3])
+    with pytest.raises(AssertionError, match="token_slot"):
+        lora_expand_tokens(t, b, y, token_slot[:3])

@@ -24,6 +24,22 @@ struct Geometry {
   float softcap = 0.f;  // > 0: scores s become softcap * tanh(s / softcap) before the softmax
 };
 
+// Software prefetch of a slot's row (all its KV heads) kPrefetchAhead keys before the walk
+// reads it. A request's decode slots are scattered over the pool (one slot per token, taken
+// step by step while the whole batch takes its own), so no hardware prefetcher sees the next
+// row coming and the walk waits on memory latency once per key; GCC's builtin emits
+// prefetcht0 on x86 (every tier) and nothing where there is none. At most the row's first
+// kPrefetchBytes: past them a row is long enough for the hardware's own stream prefetch.
+constexpr int64_t kPrefetchAhead = 8;
+constexpr int64_t kPrefetchBytes = 512;
+
+inline void prefetch_row(const void* base, int64_t slot, int64_t stride_bytes,
+                         int64_t row_bytes) {
+  const char* p = static_cast<const char*>(base) + slot * stride_bytes;
+  const int64_t n = row_bytes < kPrefetchBytes ? row_bytes : kPrefetchBytes;
+  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 // Request b attends to slots[rows[b] * lmax + starts[b] ...] for lens[b] - starts[b] keys.
 struct Batch {
   int64_t size, lmax;

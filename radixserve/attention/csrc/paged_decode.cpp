@@ -42,6 +42,8 @@ using radixserve_bf16::ld;
 using radixserve_bf16::st;
 
 using radixserve_decode::Geometry;
+using radixserve_decode::kPrefetchAhead;
+using radixserve_decode::prefetch_row;
 using radixserve_decode::softmax;
 
 inline bool is_fp8(at::ScalarType t) {
@@ -59,8 +61,11 @@ template <int64_t D>
 void scores_dot(const bf16_t* q, const bf16_t* k, const Geometry& g, const int32_t* slots,
                 int64_t len, float* sc) {
   static_assert(D % 32 == 0);
-  const int64_t group = g.hq / g.hkv;
+  const int64_t group = g.hq / g.hkv, row = g.hkv * D * 2, stride = g.sk * 2;
+  // the first rows' misses issued together (they overlap), then one row ahead per key
+  for (int64_t t = 0; t < kPrefetchAhead && t < len; ++t) prefetch_row(k, slots[t], stride, row);
   for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_row(k, slots[t + kPrefetchAhead], stride, row);
     const bf16_t* kr = k + slots[t] * g.sk;
     for (int64_t h = 0; h < g.hq; ++h) {
       const bf16_t* qh = q + h * D;
@@ -84,8 +89,11 @@ void scores(const T* q, const T* k, const Geometry& g, const int32_t* slots, int
   }
 #endif
   const int64_t d = D ? D : g.d, group = g.hq / g.hkv;
+  const int64_t row = g.hkv * d * int64_t{sizeof(T)}, stride = g.sk * int64_t{sizeof(T)};
+  for (int64_t t = 0; t < kPrefetchAhead && t < len; ++t) prefetch_row(k, slots[t], stride, row);
   for (int64_t i = 0; i < g.hq * d; ++i) qf[i] = ld(q, i) * g.scale;
   for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_row(k, slots[t + kPrefetchAhead], stride, row);
     const T* kr = k + slots[t] * g.sk;
     for (int64_t h = 0; h < g.hq; ++h) {
       const float* qh = qf + h * d;
@@ -109,10 +117,14 @@ void decode_one(const T* q, const T* k, const T* v, const Geometry& g, const int
   work.resize(g.hq * len + g.hq * d);
   float* sc = work.data();
   scores<D, T>(q, k, g, slots, len, sc + g.hq * len, sc);
+  // the first value rows' misses overlap the softmax
+  const int64_t row = g.hkv * d * int64_t{sizeof(T)}, stride = g.sv * int64_t{sizeof(T)};
+  for (int64_t t = 0; t < kPrefetchAhead && t < len; ++t) prefetch_row(v, slots[t], stride, row);
   for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
   float* acc = sc + g.hq * len;
   std::fill(acc, acc + g.hq * d, 0.f);
   for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_row(v, slots[t + kPrefetchAhead], stride, row);
     const T* vr = v + slots[t] * g.sv;
     for (int64_t h = 0; h < g.hq; ++h) {
       const float p = sc[h * len + t];
