@@ -39,7 +39,7 @@ from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
 from radixserve.parallel.devices import bind_rank_device
-from radixserve.platform.cpu_isa import CpuIsaError, choose_tier
+from radixserve.platform.cpu_isa import CpuIsaError, TierChoice, choose_tier
 from radixserve.platform.cpu_malloc import keep_freed_memory
 from radixserve.platform.cpu_threads import choose_num_threads
 from radixserve.platform.kernels import kernel_tier_line
@@ -52,6 +52,13 @@ CPU_KV_BUDGET_BYTES = 1 << 30  # default on CPU; --kv-cache-tokens overrides
 GPU_MEMORY_FRACTION = 0.85
 
 
+def _cpu_tier() -> TierChoice:
+    try:
+        return choose_tier()
+    except CpuIsaError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resolve_device_dtype(cfg: EngineConfig, local_rank: int = 0
                          ) -> tuple[torch.device, torch.dtype]:
     """`local_rank`: a tensor-parallel rank's index on its node (its GPU)."""
@@ -62,8 +69,11 @@ def resolve_device_dtype(cfg: EngineConfig, local_rank: int = 0
     if device.type == "cuda" and cfg.tensor_parallel_size > 1:
         device = torch.device("cuda", local_rank)
         bind_rank_device(device, cfg.tensor_parallel_size // cfg.nnodes)
+    # A bad RADIXSERVE_CPU_ISA fails here, before the weights load; a cap below the CPU's
+    # best also caps what dtype auto picks (an AVX2 cap runs as an AVX2 machine: fp32).
+    tier = _cpu_tier() if device.type == "cpu" else None
     if cfg.dtype == "auto":
-        choice = choose_auto_dtype(device, cpu_flags())
+        choice = choose_auto_dtype(device, cpu_flags(), tier=tier)
         logger.info("%s", choice.describe())
         return device, choice.dtype
     return device, getattr(torch, cfg.dtype)
@@ -97,11 +107,6 @@ class ModelRunner:
             threads = choose_num_threads(cfg.num_threads, tp_size)
             torch.set_num_threads(threads.num_threads)
             logger.info("torch threads: %d (%s)", threads.num_threads, threads.reason)
-        if self.device.type == "cpu":
-            try:  # a bad RADIXSERVE_CPU_ISA fails the load before the weights do
-                choose_tier()
-            except CpuIsaError as e:
-                raise ConfigError(str(e)) from None
         if self.device.type == "cpu" and keep_freed_memory():
             logger.info("malloc: freed memory kept in the heap (RADIXSERVE_DEFAULT_MALLOC=1: off)")
         self.resolved: ResolvedModel = resolve_model(cfg.model)

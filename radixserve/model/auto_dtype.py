@@ -7,7 +7,8 @@ configs, the model, logging (the caller logs the reason).
 The rule: CUDA -> bf16. CPU with AMX (amx_bf16) -> bf16. CPU with AVX512-BF16 but no AMX ->
 measure a decode-shaped matmul both ways and take bf16 only if it wins by MIN_BF16_SPEEDUP
 (on this project's EPYC it does; figures in bench/README.md). Anything else (AVX2-only: bf16
-is emulated, much slower) -> fp32.
+is emulated, much slower) -> fp32. A $RADIXSERVE_CPU_ISA cap hides the flags above it, so
+`RADIXSERVE_CPU_ISA=avx2` on an AVX-512 machine picks what an AVX2 machine picks (fp32).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from radixserve.platform.cpu_isa import CpuIsa, TierChoice
 
 MIN_BF16_SPEEDUP = 1.2  # below this, bf16's rounding is not worth it
 _PROBE_ROWS, _PROBE_IN, _PROBE_OUT = 32, 576, 3072  # a batch-32 decode through an MLP up-proj
@@ -81,8 +84,30 @@ def measure_bf16_speedup() -> float:
     return t32 / t16
 
 
+def _capped(flags: frozenset[str], tier: TierChoice | None) -> tuple[frozenset[str], str]:
+    """The flags with those above a $RADIXSERVE_CPU_ISA cap removed, and a note for the reason."""
+    if tier is None or not tier.capped:
+        return flags, ""
+    hidden: set[str] = set()
+    if tier.tier.rank < CpuIsa.AMX.rank:
+        hidden |= {"amx_bf16"}
+    if tier.tier.rank < CpuIsa.AVX512_BF16.rank:
+        hidden |= {"avx512_bf16"}
+    note = f" (kernels capped at {tier.tier.value} by RADIXSERVE_CPU_ISA)" if hidden & flags else ""
+    return flags - hidden, note
+
+
 def choose_auto_dtype(device: torch.device, flags: frozenset[str],
-                      measure: Callable[[], float] = measure_bf16_speedup) -> DtypeChoice:
+                      measure: Callable[[], float] = measure_bf16_speedup,
+                      tier: TierChoice | None = None) -> DtypeChoice:
+    """`tier`: the native kernels' tier; a cap below the CPU's best counts as that CPU."""
+    if device.type != "cpu":
+        return _choose(device, flags, "", measure)
+    return _choose(device, *_capped(flags, tier), measure)
+
+
+def _choose(device: torch.device, flags: frozenset[str], note: str,
+            measure: Callable[[], float]) -> DtypeChoice:
     if device.type == "cuda":
         return DtypeChoice(torch.bfloat16, "CUDA device")
     if device.type != "cpu":
@@ -91,7 +116,7 @@ def choose_auto_dtype(device: torch.device, flags: frozenset[str],
         return DtypeChoice(torch.bfloat16, "CPU has AMX (amx_bf16)")
     if "avx512_bf16" not in flags:
         return DtypeChoice(torch.float32, "CPU has neither amx_bf16 nor avx512_bf16 "
-                                          "(bf16 matmul would be emulated)")
+                                          f"(bf16 matmul would be emulated){note}")
     speedup = measure()
     if speedup >= MIN_BF16_SPEEDUP:
         return DtypeChoice(torch.bfloat16, f"CPU has avx512_bf16, bf16 matmul {speedup:.1f}x "

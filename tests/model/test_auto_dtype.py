@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.config import EngineConfig
+from radixserve.config import ConfigError, EngineConfig
 from radixserve.engine.model_runner import resolve_device_dtype
 from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags, measure_bf16_speedup
+from radixserve.platform.cpu_isa import CpuIsa, TierChoice
 
 CPU = torch.device("cpu")
 
@@ -64,3 +65,31 @@ def test_runner_logs_the_choice(caplog: pytest.LogCaptureFixture) -> None:
     line = f"dtype auto -> {str(dtype).removeprefix('torch.')}: "
     assert any(r.getMessage().startswith(line) for r in caplog.records)
     assert resolve_device_dtype(EngineConfig(dtype="float32", device="cpu"))[1] == torch.float32
+
+
+AMX_FLAGS = frozenset({"avx512f", "avx512_bf16", "amx_bf16"})
+
+
+@pytest.mark.parametrize(("tier", "dtype"), [
+    (CpuIsa.PORTABLE, torch.float32), (CpuIsa.AVX2, torch.float32),
+    (CpuIsa.AVX512, torch.float32), (CpuIsa.AVX512_BF16, torch.bfloat16),
+])
+def test_a_cpu_isa_cap_picks_what_that_cpu_would(tier: CpuIsa, dtype: torch.dtype) -> None:
+    """RADIXSERVE_CPU_ISA=avx2 on an AMX machine runs as an AVX2 machine: fp32, as CI's."""
+    capped = TierChoice(tier, CpuIsa.AMX, capped=True)
+    c = choose_auto_dtype(CPU, AMX_FLAGS, lambda: 2.0, tier=capped)
+    assert c.dtype == dtype
+    if dtype == torch.float32:
+        assert c.reason.endswith(f"(kernels capped at {tier.value} by RADIXSERVE_CPU_ISA)")
+    else:  # amx hidden, avx512_bf16 kept: the measurement decides
+        assert c.reason == "CPU has avx512_bf16, bf16 matmul 2.0x fp32 measured"
+    uncapped = TierChoice(CpuIsa.AMX, CpuIsa.AMX, capped=False)
+    assert choose_auto_dtype(CPU, AMX_FLAGS, never, tier=uncapped).dtype == torch.bfloat16
+
+
+def test_the_runner_applies_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "portable")
+    assert resolve_device_dtype(EngineConfig(dtype="auto", device="cpu"))[1] == torch.float32
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "no-such-tier")
+    with pytest.raises(ConfigError, match="names no CPU tier"):
+        resolve_device_dtype(EngineConfig(dtype="auto", device="cpu"))
