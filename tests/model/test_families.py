@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationMixin
 
 from radixserve import LLM
 from radixserve.attention.cpu_kernels import ENV_DISABLE
@@ -65,9 +65,14 @@ def case(request: pytest.FixtureRequest, family_dirs: dict[str, Path],
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """HF's generate, greedy, n tokens, EOS a token like any other (as ignore_eos: HF's
-    min_new_tokens would instead forbid EOS, a different argmax where EOS wins)."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return hf_model_greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           prompts, n)
+
+
+def hf_model_greedy(hf: GenerationMixin, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """A loaded HF model's generate, greedy, n tokens, EOS a token like any other (as
+    ignore_eos: HF's min_new_tokens would instead forbid EOS, a different argmax where EOS
+    wins)."""
     hf.generation_config.eos_token_id = None
     outs = []
     for p in prompts:

@@ -25,7 +25,7 @@ from radixserve import LLM
 from radixserve.model.families.gemma import GemmaArch
 from radixserve.model.families.registry import family_of, parse_config, read_model_spec
 from radixserve.model.weights import load_weights, text_model_name
-from tests.model.test_families import engine_tokens
+from tests.model.test_families import engine_tokens, hf_model_greedy
 from tests.model.test_parity import random_prompts
 from tests.tiny_models import make_tokenizer
 
@@ -60,13 +60,7 @@ def multimodal(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _hf_text_only(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    out = []
-    for p in prompts:
-        seq = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
-                          attention_mask=torch.ones(1, len(p), dtype=torch.long))
-        out.append(seq[0, len(p):].tolist())
-    return out
+    return hf_model_greedy(hf, prompts, 6)
 
 
 def _module_layout(src: Path, dst: Path) -> Path:

@@ -20,7 +20,7 @@ from radixserve import LLM
 from radixserve.model.families.registry import read_model_spec
 from radixserve.model_source import ModelLoadError, resolve_model
 from tests.gguf_models import CASES, make_hf_model, write_gguf
-from tests.model.test_families import engine_tokens, hf_greedy
+from tests.model.test_families import engine_tokens, hf_greedy, hf_model_greedy
 from tests.model.test_parity import random_prompts
 
 LENGTHS = [1, 13, 21]  # the windows (8) are shorter than two of them
@@ -33,13 +33,7 @@ WANT_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
 def _hf_on_gguf(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    out = []
-    for p in prompts:
-        seq = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
-                          attention_mask=torch.ones(1, len(p), dtype=torch.long))
-        out.append(seq[0, len(p):].tolist())
-    return out
+    return hf_model_greedy(hf, prompts, 6)
 
 
 @pytest.mark.parametrize("case", CASES)
