@@ -78,3 +78,21 @@ def quantize_experts(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     e, n, k = stacked.shape
     q = quantize_per_channel(stacked.reshape(e * n, k))
     return q.qweight.view(e, n, k), q.scale.view(e, n)
+
+
+def load_moe_experts_quant(device: torch.device) -> MoEExpertsOp | None:
+    """csrc/moe/moe_quant.cpp's op on quantized experts at the process's tier (x float32 or
+    bfloat16):
+
+        moe_experts_quant(x, topk_weights, topk_ids, gu_codes, gu_scale, gu_zero, gu_kind,
+                          gu_group, dn_codes, dn_scale, dn_zero, dn_kind, dn_group, inter,
+                          first_expert) -> (T, D)
+
+    on quantization/experts.py's PackedExperts; None where it does not apply or build."""
+    if device.type != "cpu":
+        return None
+    loaded = load_extension(MOE_EXPERTS)
+    if loaded is None:
+        return None
+    op: MoEExpertsOp = loaded.op("moe_experts_quant")
+    return op

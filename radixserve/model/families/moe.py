@@ -19,9 +19,12 @@ from radixserve.model.families.base import DecoderLayer, ModelParts
 from radixserve.model.families.llama import llama_layer
 from radixserve.model.layers.context import ForwardContext
 from radixserve.model.layers.linear import FloatMethod, Int8Method
-from radixserve.model.layers.moe import MoEBlock
+from radixserve.model.layers.moe import MoEBlock, MoEWeights
+from radixserve.model.layers.moe_quant import QuantExperts
 from radixserve.model.layers.moe_spec import moe_of
 from radixserve.model.layers.norm import Residual
+from radixserve.model.quantization.experts import StackedQWeight, quantize_experts_fp8
+from radixserve.model.quantization.methods import CheckpointMethod, Fp8Method
 from radixserve.model.weights import LayerWeights, ModelWeights
 from radixserve.model_source import ModelLoadError
 
@@ -55,17 +58,35 @@ class SparseMoE:
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+def _quant_experts(parts: ModelParts, weights: MoEWeights) -> QuantExperts | None:
+    """The layer's quantized experts: a quantized checkpoint's, or --quantization fp8's
+    per-channel FP8 of float ones; None where they stay float."""
+    moe = moe_of(parts.spec)
+    assert moe is not None
+    gate_up, down = weights.gate_up, weights.down
+    if isinstance(parts.method, Fp8Method) and isinstance(gate_up, torch.Tensor):
+        assert isinstance(down, torch.Tensor)
+        gate_up, down = quantize_experts_fp8(gate_up), quantize_experts_fp8(down)
+    if not isinstance(gate_up, StackedQWeight):
+        return None
+    assert isinstance(down, StackedQWeight)
+    return QuantExperts(gate_up, down, moe.num_experts, weights.first_expert, parts.fused)
+
+
 def sparse_mlp(parts: ModelParts, lw: LayerWeights) -> SparseMoE:
     moe = moe_of(parts.spec)
     assert moe is not None and lw.moe is not None
     int8 = isinstance(parts.method, Int8Method)
-    if not int8 and not isinstance(parts.method, FloatMethod):
+    if not isinstance(parts.method, (FloatMethod, Int8Method, Fp8Method, CheckpointMethod)):
         raise ModelLoadError(f"{parts.method.name} quantization does not cover a "
-                             "mixture-of-experts model's experts: serve it in its dtype or "
-                             "with --quantization int8")
-    # On CPU the native MoE op (int8 experts too), else oneDNN-prepacked experts; the fused
-    # (CUDA) path runs the stacked weights.
-    return SparseMoE(MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8), parts.tp)
+                             "mixture-of-experts model's experts: serve it in its dtype, "
+                             "with --quantization int8 or fp8, or from a quantized checkpoint")
+    # On CPU the native MoE op (int8 and quantized experts too), else oneDNN-prepacked
+    # experts; the fused (CUDA) path runs the stacked weights (quantized: dequantized in the
+    # Triton kernel).
+    quant = _quant_experts(parts, lw.moe)
+    block = MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8, quant=quant)
+    return SparseMoE(block, parts.tp)
 
 
 def moe_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLayer]:
