@@ -111,10 +111,10 @@ def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we,
     for k0 in range(0, HIDDEN, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _load_rows(x, tok, stride_x, offs_k, valid, HIDDEN, UPCAST)  # (BM, BK)
-        g = weight_tile(w_e, s_e, z_e, offs_n, mask_n, offs_k, stride_wn, stride_sn, HIDDEN,
-                        KIND, GROUP, x.dtype.element_ty, UPCAST)
-        u = weight_tile(w_e, s_e, z_e, INTER + offs_n, mask_n, offs_k, stride_wn, stride_sn,
-                        HIDDEN, KIND, GROUP, x.dtype.element_ty, UPCAST)  # (BK, BN) each
+        g = weight_tile(w_e, s_e, z_e, offs_n, mask_n, k0, stride_wn, stride_sn, HIDDEN,
+                        BLOCK_K, KIND, GROUP, x.dtype.element_ty, UPCAST)
+        u = weight_tile(w_e, s_e, z_e, INTER + offs_n, mask_n, k0, stride_wn, stride_sn,
+                        HIDDEN, BLOCK_K, KIND, GROUP, x.dtype.element_ty, UPCAST)  # (BK, BN)
         acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
     dtype = act.dtype.element_ty
@@ -146,8 +146,8 @@ def _down_kernel(act, w, weights, sorted_pairs, block_experts, out, stride_a, st
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _load_rows(act, pair.to(tl.int64), stride_a, offs_k, valid, INTER, UPCAST)
-        d = weight_tile(w_e, s_e, z_e, offs_n, mask_n, offs_k, stride_wn, stride_sn, INTER,
-                        KIND, GROUP, act.dtype.element_ty, UPCAST)
+        d = weight_tile(w_e, s_e, z_e, offs_n, mask_n, k0, stride_wn, stride_sn, INTER,
+                        BLOCK_K, KIND, GROUP, act.dtype.element_ty, UPCAST)
         acc = tl.dot(a, d, acc, input_precision=DOT_PRECISION)  # (BM, BN)
     dtype = out.dtype.element_ty
     scale = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)  # (BM,)

@@ -7,8 +7,8 @@ zero[e, n, g]) * scale[e, n, g], g = k // group; FP8 codes are e4m3 bit patterns
 dequantization (`dequantize_expert`: the reference, and the unfused path's weights), and
 `weight_tile`, the jit helper fused_moe's kernels load their B tile with: a float weight's
 tile as it is, or a quantized one's codes dequantized to the activations' dtype in
-registers (W4A16, W8A16, FP8 weight-only), rounded as `dequantize_expert(...).to(dtype)`
-rounds them, so the kernel is exactly the float fused MoE on the dequantized weights.
+registers (W4A16, W8A16, FP8 weight-only), rounded to nearest even as
+`dequantize_expert(...).to(dtype)` rounds them (round_to: the interpreter truncates casts), so the kernel is exactly the float fused MoE on the dequantized weights.
 Does not know: routing, checkpoints, the model.
 
 Layout: INT4 codes (E, N, ceil(K / 2)) uint8, input 2i in the low nibble and 2i + 1 in the
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from triton_kernels._rounding import round_to
 
 INT4, INT8, FP8 = 0, 1, 2  # the canonical kinds (radixserve.model.quantization.qweight.Kind)
 FLOAT = -1  # weight_tile's KIND for a float weight
@@ -82,17 +84,31 @@ def dequantize_expert(w: MoEQuantWeight, e: int) -> torch.Tensor:
 
 
 @triton.jit
-def weight_tile(w_e, s_e, z_e, rows, mask_rows, offs_k, stride_wn, stride_sn,
-                K: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """The (BK, BN) B tile W[e, rows, offs_k].T of expert e (w_e, s_e, z_e: its codes, scale
-    and zero point), in DTYPE (fp32 where UPCAST)."""
+def _group_values(t_e, rows, mask_rows, mask, offs_k, k0, stride_sn, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """A scale or zero point per element of the (BK, BN) tile: one (BN,) row where the whole
+    K tile lies in one group (a group a multiple of BLOCK_K, or one group per row)."""
+    if GROUP >= K:  # (separate constexpr tests: the compiler folds each, not an `or`)
+        return tl.load(t_e + rows * stride_sn, mask=mask_rows, other=0.0)[None, :]
+    elif GROUP % BLOCK_K == 0:
+        return tl.load(t_e + rows * stride_sn + k0 // GROUP, mask=mask_rows, other=0.0)[None, :]
+    else:
+        g = (offs_k // GROUP)[:, None]
+        return tl.load(t_e + rows[None, :] * stride_sn + g, mask=mask, other=0.0)
+
+
+@triton.jit
+def weight_tile(w_e, s_e, z_e, rows, mask_rows, k0, stride_wn, stride_sn, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+                DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """The (BK, BN) B tile W[e, rows, k0 : k0 + BK].T of expert e (w_e, s_e, z_e: its codes,
+    scale and zero point), in DTYPE (fp32 where UPCAST)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = mask_rows[None, :] & (offs_k[:, None] < K)
     if KIND == -1:
         w = tl.load(w_e + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
     else:
-        g = (offs_k // GROUP)[:, None]
-        s = tl.load(s_e + rows[None, :] * stride_sn + g, mask=mask, other=0.0)
+        s = _group_values(s_e, rows, mask_rows, mask, offs_k, k0, stride_sn, K, BLOCK_K, GROUP)
         if KIND == 0:  # int4: two inputs per byte, the even one in the low nibble
             byte = tl.load(w_e + rows[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask,
                            other=0).to(tl.int32)
@@ -102,10 +118,11 @@ def weight_tile(w_e, s_e, z_e, rows, mask_rows, offs_k, stride_wn, stride_sn,
                         ).to(tl.float32)
             q = tl.where(mask, q, 0.0)
         if KIND == 2:
-            w = (q * s).to(DTYPE)
+            w = round_to(q * s, DTYPE)
         else:
-            z = tl.load(z_e + rows[None, :] * stride_sn + g, mask=mask, other=0.0)
-            w = ((q - z) * s).to(DTYPE)
+            z = _group_values(z_e, rows, mask_rows, mask, offs_k, k0, stride_sn, K, BLOCK_K,
+                              GROUP)
+            w = round_to((q - z) * s, DTYPE)
     return w.to(tl.float32) if UPCAST else w
 
 

@@ -20,6 +20,11 @@ from radixserve import LLM, SamplingParams
 from radixserve.model.layers.moe import MoEBlock
 from radixserve.model.layers.moe_quant import QuantExperts
 from radixserve.model_source import ModelLoadError
+from tests.model.test_fused_forward import (
+    DEVICE,
+    assert_paths_agree,
+    runnable_kernels,  # noqa: F401  (a fixture)
+)
 from tests.model.test_parity import hf_greedy, random_prompts
 from tests.quant_checkpoints import write_quantized
 from tests.tiny_moe_models import make_tiny_moe
@@ -146,3 +151,18 @@ def test_fp32_and_bf16_activations_agree(qwen3: Path, tmp_path: Path) -> None:
     first = [o.token_ids[0] for o in outs]
     assert sum(a == b[0] for a, b in zip(first, fp32, strict=True)) >= 2
     assert torch.bfloat16 == llm.engine.runner.model.embed.dtype
+
+
+@pytest.mark.usefixtures("runnable_kernels")
+@pytest.mark.parametrize(("method", "opts"), [W4_ZP, ("fp8", {"block": (32, 48)})],
+                         ids=["w4a16-zp", "fp8-block"])
+def test_fused_forward_with_quantized_experts(tmp_path: Path, method: str,
+                                              opts: dict[str, Any]) -> None:
+    """The model's fused path (the Triton fused MoE dequantizing its B tiles, under the
+    interpreter on CPU) and the Triton backend's unfused loop (the torch path on the Triton
+    layout) give the default CPU path's (the native op's) tokens and logits."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the interpreter run")
+    src = make_tiny_moe(tmp_path / "qwen3", "qwen3_moe", sparse={"mlp_only_layers": [1]})
+    quant_dir, _ = write_quantized(src, tmp_path, method, **opts)
+    assert_paths_agree(quant_dir, 5, None)
