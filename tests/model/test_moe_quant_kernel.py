@@ -13,8 +13,13 @@ import torch
 
 from radixserve.model.layers.moe import Routing, grouped_experts
 from radixserve.model.layers.moe_quant import QuantExperts
-from radixserve.model.quantization.experts import StackedQWeight, quantize_experts_fp8
-from radixserve.model.quantization.qweight import quantize_fp8, quantize_int
+from radixserve.model.quantization.experts import (
+    StackedQWeight,
+    quantize_experts_fp8,
+    quantize_experts_int,
+    stack_experts,
+)
+from radixserve.model.quantization.qweight import quantize_fp8
 
 pytestmark = pytest.mark.usefixtures("cpu_tier")
 
@@ -25,12 +30,10 @@ def _stack(w: torch.Tensor, kind: str, group: int) -> StackedQWeight:
     """(E, N, K) float -> one quantized stack (round to nearest, the tests' formats)."""
     if kind == "fp8-channel":
         return quantize_experts_fp8(w)
-    qs = [quantize_fp8(w[e], group) if kind == "fp8" else
-          quantize_int(w[e], 4 if kind.startswith("int4") else 8, group,
-                       symmetric=kind != "int4-zp") for e in range(w.shape[0])]
-    zero = None if qs[0].zero is None else torch.stack([q.zero for q in qs])  # type: ignore[misc]
-    return StackedQWeight(qs[0].kind, torch.stack([q.codes for q in qs]),
-                          torch.stack([q.scale for q in qs]), zero, qs[0].group_size)
+    if kind == "fp8":
+        return stack_experts([quantize_fp8(w[e], group) for e in range(w.shape[0])], "fp8")
+    return quantize_experts_int(w, 4 if kind.startswith("int4") else 8, group,
+                                symmetric=kind != "int4-zp")
 
 
 def _case(tokens: int, top_k: int, hidden: int, inter: int, kind: str, group: int, seed: int

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model.quantization.cpu_kernel import BLOCK, pack_for_cpu
-from radixserve.model.quantization.qweight import Kind, QWeight, quantize_fp8
+from radixserve.model.quantization.qweight import Kind, QWeight, quantize_fp8, quantize_int
 from radixserve.model_source import ModelLoadError
 
 
@@ -80,6 +80,15 @@ def quantize_experts_fp8(stacked: torch.Tensor) -> StackedQWeight:
     q = quantize_fp8(stacked.reshape(e * n, k))
     return StackedQWeight(Kind.FP8, q.codes.view(e, n, k), q.scale.view(e, n, -1), None,
                           q.group_size)
+
+
+def quantize_experts_int(stacked: torch.Tensor, bits: int, group_size: int,
+                         symmetric: bool = True) -> StackedQWeight:
+    """(E, N, K) float experts -> round-to-nearest int4 / int8 per group of inputs (what
+    benches and tests write; checkpoints bring their own codes)."""
+    e = stacked.shape[0]
+    return stack_experts([quantize_int(stacked[i], bits, group_size, symmetric)
+                          for i in range(e)], "experts")
 
 
 @dataclass(frozen=True)
