@@ -166,3 +166,22 @@ def test_fused_forward_with_quantized_experts(tmp_path: Path, method: str,
     src = make_tiny_moe(tmp_path / "qwen3", "qwen3_moe", sparse={"mlp_only_layers": [1]})
     quant_dir, _ = write_quantized(src, tmp_path, method, **opts)
     assert_paths_agree(quant_dir, 5, None)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
+def test_tensor_and_expert_parallel_quantized_experts(tmp_path: Path, ep: bool) -> None:
+    """TP 2 slices each expert's codes, scales and zero points (gate/up rows, down input
+    columns with their groups); EP 2 places 4 whole quantized experts on each rank. The
+    tokens stay HF's on the dequantized weights."""
+    src = make_tiny_moe(tmp_path / "qwen3", "qwen3_moe", sparse={"mlp_only_layers": [1]})
+    quant_dir, deq_dir = write_quantized(src, tmp_path, "compressed-tensors",
+                                         format="pack-quantized", bits=4, group=16,
+                                         symmetric=False)
+    llm = LLM(model=str(quant_dir), dtype="float32", kv_cache_tokens=4096,
+              tensor_parallel_size=2, enable_expert_parallel=ep)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10,
+                                                    ignore_eos=True))
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == hf_greedy(deq_dir, PROMPTS, 10)

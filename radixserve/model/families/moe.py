@@ -4,7 +4,9 @@ Owns: SparseMoE (the FeedForward slot over layers/moe.py's MoEBlock: the residua
 under tensor or expert parallelism the one all-reduce of the ranks' partial sums, rank 0
 alone adding the residual) and moe_layers (Llama's decoder layer with the MoE block on the
 sparse layers and the dense gated MLP on the others: Qwen-MoE's mlp_only_layers and
-decoder_sparse_step). Does not know: any family's config keys (qwen_moe.py, mixtral.py,
+decoder_sparse_step), and which experts a linear method gives: float, int8
+(--quantization int8), or quantized (a quantized checkpoint's, or --quantization fp8's
+per-channel FP8: layers/moe_quant.py). Does not know: any family's config keys (qwen_moe.py, mixtral.py,
 olmoe.py), the expert kernels (layers/moe.py, triton_kernels/fused_moe.py).
 """
 
@@ -70,7 +72,8 @@ def _quant_experts(parts: ModelParts, weights: MoEWeights) -> QuantExperts | Non
     if not isinstance(gate_up, StackedQWeight):
         return None
     assert isinstance(down, StackedQWeight)
-    return QuantExperts(gate_up, down, moe.num_experts, weights.first_expert, parts.fused)
+    return QuantExperts(gate_up, down, moe.num_experts, weights.first_expert, parts.fused,
+                        device=parts.device)
 
 
 def sparse_mlp(parts: ModelParts, lw: LayerWeights) -> SparseMoE:

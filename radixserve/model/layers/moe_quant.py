@@ -30,10 +30,15 @@ if TYPE_CHECKING:
     from triton_kernels.fused_moe_quant import MoEQuantWeight
 
 
-def _gpu_layout(w: StackedQWeight) -> MoEQuantWeight:
+def _gpu_layout(w: StackedQWeight, device: torch.device) -> MoEQuantWeight:
     from triton_kernels.fused_moe_quant import prepare_experts  # needs triton
 
-    return prepare_experts(int(w.kind), w.codes, w.scale, w.zero, w.group_size, w.device)
+    return prepare_experts(int(w.kind), w.codes, w.scale, w.zero, w.group_size, device)
+
+
+def _to(w: StackedQWeight, device: torch.device) -> StackedQWeight:
+    return StackedQWeight(w.kind, w.codes.to(device), w.scale.to(device),
+                          None if w.zero is None else w.zero.to(device), w.group_size)
 
 
 class QuantExperts:
@@ -41,9 +46,11 @@ class QuantExperts:
     quantized gate_up (E, 2F, hidden) and down (E, hidden, F)."""
 
     def __init__(self, gate_up: StackedQWeight, down: StackedQWeight, num_experts: int,
-                 first_expert: int, fused: bool, native: bool = True) -> None:
+                 first_expert: int, fused: bool, native: bool = True,
+                 device: torch.device | None = None) -> None:
         """`fused`: built for the model's fused (Triton) path; `native`: the CPU op where it
-        builds (else the torch path)."""
+        builds (else the torch path); `device`: the model's (default: the weights')."""
+        device = gate_up.device if device is None else device
         self.num_experts, self.first_expert = num_experts, first_expert
         self.num_local, two_f, _ = gate_up.shape
         self.inter = two_f // 2
@@ -52,14 +59,14 @@ class QuantExperts:
         self.gpu: tuple[MoEQuantWeight, MoEQuantWeight] | None = None
         self.stacked: tuple[StackedQWeight, StackedQWeight] | None = None
         if fused:
-            self.gpu = (_gpu_layout(gate_up), _gpu_layout(down))
+            self.gpu = (_gpu_layout(gate_up, device), _gpu_layout(down, device))
             return
-        self.op = load_moe_experts_quant(gate_up.device) if native else None
+        self.op = load_moe_experts_quant(device) if native else None
         if self.op is not None:
             self.cpu = (pack_experts_for_cpu(gate_up, halves=True),
                         pack_experts_for_cpu(down, halves=False))
         else:
-            self.stacked = (gate_up, down)
+            self.stacked = (_to(gate_up, device), _to(down, device))
 
     @property
     def nbytes(self) -> int:
