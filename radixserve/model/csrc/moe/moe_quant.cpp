@@ -22,7 +22,8 @@
 // A block's rows run through the dense GEMM's helpers: up to kSmallRows rows (decode) the
 // tier's decode blocks (quant_gemm_simd.h: codes widened in registers, zero point and scale
 // applied once per group); more rows (prefill) dequantize the block's K chunks into an L1
-// scratch that every row tile multiplies (quant_gemm.h's dequant_chunk and micro).
+// scratch (the tier's dequant_rows_simd, quant_gemm.h's dequant_chunk on portable) that
+// every row tile multiplies (quant_gemm.h's micro).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -83,14 +84,20 @@ void block_rows(const Operands& o, int64_t nb, int64_t r0, int64_t n, float* scr
     return;
   }
   std::fill(out, out + n * CB, 0.f);
+  [[maybe_unused]] const bool simd = simd_rows(kind, o);  // the tier's vector dequant
   const uint8_t* blk = o.packed + nb * o.block_bytes(kind);
   const float* sb = o.scale + nb * o.G * CB;
   const float* zb = o.zero == nullptr ? nullptr : o.zero + nb * o.G * CB;
   for (int64_t k0 = 0; k0 < o.K;) {
     const int64_t g = k0 / o.group;
     const int64_t kc = std::min({KC, (g + 1) * o.group - k0, o.K - k0});
-    dequant_chunk<kind>(blk, k0, kc, sb + g * CB, zb == nullptr ? nullptr : zb + g * CB,
-                        scratch);
+    const float* zg = zb == nullptr ? nullptr : zb + g * CB;
+#if RS_QUANT_AVX512 || RS_QUANT_AVX2
+    if (simd) dequant_rows_simd<kind>(blk, k0, k0 + kc, sb + g * CB, zg, scratch, CB);
+    else dequant_chunk<kind>(blk, k0, kc, sb + g * CB, zg, scratch);
+#else
+    dequant_chunk<kind>(blk, k0, kc, sb + g * CB, zg, scratch);
+#endif
     for (int64_t r = 0; r < n; r += 4) {
       const int64_t mr = std::min<int64_t>(4, n - r);
       const float* xr = o.x + (r0 + r) * o.Kp + k0;
