@@ -18,7 +18,7 @@ import torch
 
 from radixserve import LLM, SamplingParams
 from radixserve.model.layers.moe import MoEBlock
-from radixserve.model.layers.moe_quant import QuantExperts
+from radixserve.model.layers.moe_quant import QuantExperts, QuantSharedExpert
 from radixserve.model_source import ModelLoadError
 from tests.model.test_fused_forward import (
     DEVICE,
@@ -131,15 +131,25 @@ def test_partly_quantized_experts_are_refused(qwen3: Path, tmp_path: Path) -> No
         LLM(model=str(quant_dir), dtype="float32", kv_cache_tokens=1024)
 
 
-def test_quantized_shared_expert_and_act_order_are_refused(tmp_path: Path) -> None:
-    src = make_tiny_moe(tmp_path / "qwen2", "qwen2_moe", hidden_size=64)
-    quant_dir, _ = write_quantized(src, tmp_path, *W4_ZP[:1], **W4_ZP[1])
-    with pytest.raises(ModelLoadError, match="quantized shared expert is not supported"):
-        LLM(model=str(quant_dir), dtype="float32", kv_cache_tokens=1024)
+def test_act_order_experts_are_refused(tmp_path: Path) -> None:
     mixtral = make_tiny_moe(tmp_path / "mixtral", "mixtral", hidden_size=64)
     gptq, _ = write_quantized(mixtral, tmp_path, "gptq", bits=4, group=32, desc_act=True)
     with pytest.raises(ModelLoadError, match="act-order"):
         LLM(model=str(gptq), dtype="float32", kv_cache_tokens=1024)
+
+
+def test_qwen2_moe_quantized_shared_expert(tmp_path: Path) -> None:
+    """Qwen2-MoE's shared expert quantized with the experts (the dense layers' kernels), and
+    per-channel FP8 under --quantization fp8: HF's tokens on the dequantized weights."""
+    src = make_tiny_moe(tmp_path / "qwen2", "qwen2_moe", hidden_size=64,
+                        sparse={"decoder_sparse_step": 2})
+    quant_dir, deq_dir = write_quantized(src, tmp_path, *W4_ZP[:1], **W4_ZP[1])
+    llm, ours = _greedy(quant_dir)
+    assert ours == hf_greedy(deq_dir, PROMPTS, 10)
+    assert all(isinstance(b.shared, QuantSharedExpert) for b in _blocks(llm))
+    _, fp8_deq = write_quantized(src, tmp_path / "fp8", *FP8_CHANNEL[:1], **FP8_CHANNEL[1])
+    _, ours = _greedy(src, quantization="fp8")
+    assert ours == hf_greedy(fp8_deq, PROMPTS, 10)
 
 
 def test_fp32_and_bf16_activations_agree(qwen3: Path, tmp_path: Path) -> None:

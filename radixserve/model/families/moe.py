@@ -22,7 +22,7 @@ from radixserve.model.families.llama import llama_layer
 from radixserve.model.layers.context import ForwardContext
 from radixserve.model.layers.linear import FloatMethod, Int8Method
 from radixserve.model.layers.moe import MoEBlock, MoEWeights
-from radixserve.model.layers.moe_quant import QuantExperts
+from radixserve.model.layers.moe_quant import QuantExperts, QuantSharedExpert
 from radixserve.model.layers.moe_spec import moe_of
 from radixserve.model.layers.norm import Residual
 from radixserve.model.quantization.experts import StackedQWeight, quantize_experts_fp8
@@ -88,8 +88,22 @@ def sparse_mlp(parts: ModelParts, lw: LayerWeights) -> SparseMoE:
     # experts; the fused (CUDA) path runs the stacked weights (quantized: dequantized in the
     # Triton kernel).
     quant = _quant_experts(parts, lw.moe)
-    block = MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8, quant=quant)
+    block = MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8, quant=quant,
+                     shared=_quant_shared(parts, lw.moe))
     return SparseMoE(block, parts.tp)
+
+
+def _quant_shared(parts: ModelParts, weights: MoEWeights) -> QuantSharedExpert | None:
+    """Qwen2-MoE's shared expert where quantized: a checkpoint's QWeights, or float weights
+    under --quantization fp8 (per-channel FP8, as vLLM quantizes it); None: float."""
+    gate_up, down = weights.shared_gate_up, weights.shared_down
+    if gate_up is None or down is None:
+        return None
+    quantized = isinstance(gate_up, list) or isinstance(parts.method, Fp8Method)
+    if not quantized:
+        return None
+    return QuantSharedExpert(parts.method.create(gate_up, None),
+                             parts.method.create(down, None))
 
 
 def moe_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLayer]:

@@ -49,6 +49,7 @@ from radixserve.model.moe_kernel import (
     quantize_experts,
 )
 from radixserve.model.quantization.experts import StackedQWeight
+from radixserve.model.quantization.qweight import LinearWeight
 from radixserve.model_source import ModelLoadError
 
 
@@ -66,15 +67,10 @@ class MoEWeights:
     gate_up: torch.Tensor | StackedQWeight  # (E_local, 2 * F_local, hidden): gate, then up rows
     down: torch.Tensor | StackedQWeight  # (E_local, hidden, F_local)
     first_expert: int = 0  # global index of gate_up[0] (expert parallelism)
-    shared_gate_up: torch.Tensor | None = None  # (2 * S_local, hidden) Qwen2-MoE
-    shared_down: torch.Tensor | None = None  # (hidden, S_local)
+    # Qwen2-MoE's shared expert: float, or a quantized checkpoint's QWeights (gate, up)
+    shared_gate_up: LinearWeight | None = None  # (2 * S_local, hidden)
+    shared_down: LinearWeight | None = None  # (hidden, S_local)
     shared_gate: torch.Tensor | None = None  # (1, hidden): sigmoid(x @ shared_gate.T)
-
-    @property
-    def nbytes(self) -> int:
-        ts = (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
-              self.shared_gate)
-        return sum(t.nbytes for t in ts if t is not None)
 
 
 class DequantizedExperts:
@@ -90,6 +86,16 @@ class DequantizedExperts:
 
 
 Experts = torch.Tensor | DequantizedExperts  # what the torch path's GEMMs index by expert
+
+
+class SharedExpert(Protocol):
+    """Qwen2-MoE's shared expert as the block calls it (cpu_linear.GatedMLP, or
+    layers/moe_quant.py's QuantSharedExpert)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class ExpertsKernel(Protocol):
@@ -210,13 +216,16 @@ class MoEBlock:
 
     def __init__(self, spec: MoESpec, weights: MoEWeights, prepacked: bool = True,
                  native: bool = True, int8: bool = False,
-                 quant: ExpertsKernel | None = None) -> None:
+                 quant: ExpertsKernel | None = None, shared: SharedExpert | None = None
+                 ) -> None:
         """`prepacked`: False on the fused (CUDA) path, which runs the stacked weights.
         `native`: the native CPU op where it builds (else the torch grouped compute).
         `int8`: the experts as int8 codes with per-channel scales (--quantization int8; the
         native op only: refused where it is not available). `quant`: the experts of a
         quantized checkpoint or --quantization fp8, built by the caller from the weights'
-        StackedQWeights (layers/moe_quant.py), which run in place of everything below."""
+        StackedQWeights (layers/moe_quant.py), which run in place of everything below.
+        `shared`: the shared expert built by the caller (a quantized one); None: from the
+        weights' float tensors."""
         self.spec = spec
         self.router = weights.router
         self.quant = quant
@@ -227,12 +236,10 @@ class MoEBlock:
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (E, 2F), (E, D)
-        self._shared(weights, prepacked)
+        self._shared(weights, prepacked, shared)
         if quant is not None:
             self.bf16_dot = False
-            self.nbytes = quant.nbytes + sum(
-                t.nbytes for t in (weights.router, weights.shared_gate_up, weights.shared_down,
-                                   weights.shared_gate) if t is not None)
+            self.nbytes = quant.nbytes + self._other_bytes(weights, shared is not None)
             return
         assert isinstance(weights.gate_up, torch.Tensor) and isinstance(weights.down,
                                                                         torch.Tensor)
@@ -253,18 +260,31 @@ class MoEBlock:
             self.gate_up, gate_up_scale = quantize_experts(weights.gate_up)
             self.down, down_scale = quantize_experts(weights.down)
             self.scales = (gate_up_scale, down_scale)
-        # the shared expert's prepacked copy is the same size
-        self.nbytes = weights.nbytes if self.scales is None else weights.nbytes - sum(
-            t.numel() * (t.element_size() - 1) - s.numel() * 4
-            for t, s in zip((weights.gate_up, weights.down), self.scales, strict=True))
+        # stacked, packed (the same size) or int8 codes with their scales
+        held = (weights.gate_up, weights.down) if self.scales is None else (
+            self.gate_up, self.down, *self.scales)
+        self.nbytes = sum(t.nbytes for t in held if t is not None) + self._other_bytes(
+            weights, shared is not None)
 
-    def _shared(self, weights: MoEWeights, prepacked: bool) -> None:
-        self.shared: GatedMLP | None = None
+    def _other_bytes(self, weights: MoEWeights, built: bool) -> int:
+        """The router's, its shared expert's and the shared gate's bytes (`built`: a shared
+        expert the caller built, e.g. quantized; a float one's prepacked copy is the size of
+        its weights)."""
+        ts: list[LinearWeight | None] = [weights.router, weights.shared_gate]
+        if not built:
+            ts += [weights.shared_gate_up, weights.shared_down]
+        n = sum(t.nbytes for t in ts if isinstance(t, torch.Tensor))
+        return n + (self.shared.nbytes if built and self.shared is not None else 0)
+
+    def _shared(self, weights: MoEWeights, prepacked: bool, shared: SharedExpert | None
+                ) -> None:
+        self.shared: SharedExpert | None = shared
         self.shared_gate = weights.shared_gate
-        if weights.shared_gate_up is not None:
-            assert weights.shared_down is not None and weights.shared_gate is not None
-            self.shared = GatedMLP(weights.shared_gate_up, weights.shared_down,
-                                   prepacked=prepacked)
+        if shared is None and weights.shared_gate_up is not None:
+            gate_up, down = weights.shared_gate_up, weights.shared_down
+            assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor), \
+                "a quantized shared expert is built by the caller"
+            self.shared = GatedMLP(gate_up, down, prepacked=prepacked)
 
     def experts(self, x: torch.Tensor, routing: Routing, fused: bool = False
                 ) -> torch.Tensor:  # (T, hidden)

@@ -9,7 +9,8 @@ dequantized in the kernel (triton_kernels/fused_moe_quant.py's layout); elsewher
 build, RADIXSERVE_NO_CPU_KERNELS=1), and for the fused model's unfused forward (KV
 calibration), the torch grouped compute of layers/moe.py with each active expert dequantized
 for its GEMMs and dropped after (one expert's float weights at a time, never the layer's).
-Does not know: routing (the caller's Routing), checkpoints, the shared expert.
+Also Qwen2-MoE's shared expert on quantized weights (QuantSharedExpert, the dense layers'
+quantized kernels). Does not know: routing (the caller's Routing), checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
+from radixserve.model.layers.linear import LinearKernel
 from radixserve.model.layers.moe import DequantizedExperts, Routing, grouped_experts
 from radixserve.model.moe_kernel import MoEExpertsOp, load_moe_experts_quant
 from radixserve.model.quantization.experts import (
@@ -101,3 +104,22 @@ class QuantExperts:
                            int(dn.kind), dn.group_size, self.inter, self.first_expert)
         gate_up, down = self._dequantizers(x.dtype)
         return grouped_experts(x, routing, gate_up, down, self.num_experts, self.first_expert)
+
+
+class QuantSharedExpert:
+    """Qwen2-MoE's shared expert on quantized weights: down(silu(gate(x)) * up(x)) with the
+    dense layers' quantized kernels (QuantLinear: a quantized checkpoint's, or
+    --quantization fp8's). No residual, no all-reduce: the block's caller adds and reduces."""
+
+    def __init__(self, gate_up: LinearKernel, down: LinearKernel) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        assert residual is None, "the block adds the residual"
+        gu = self.gate_up(x)  # (T, 2 * S)
+        inter = gu.shape[1] // 2
+        return self.down(F.silu(gu[:, :inter]) * gu[:, inter:])  # (T, hidden)

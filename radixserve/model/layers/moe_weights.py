@@ -20,7 +20,8 @@ projections: compressed-tensors `experts.{e}.gate_proj.weight_packed` / `weight_
 expert by the dense readers (quantization/formats.py, this rank's rows and columns) and
 stacked into one StackedQWeight per projection; the router is read as a float tensor
 whatever the config says (vLLM never quantizes it either; a quantized one is a load error
-naming it) and a quantized shared expert is a ModelLoadError naming it.
+naming it); Qwen2-MoE's shared expert is read as the dense layers are (its QWeights where
+quantized, in float where not).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from radixserve.config.parsing import ConfigError
 from radixserve.model.layers.moe import MoEWeights
 from radixserve.model.layers.moe_spec import MoESpec
 from radixserve.model.quantization.experts import StackedQWeight, stack_experts
-from radixserve.model.quantization.qweight import QWeight, can_stack, stack_rows
+from radixserve.model.quantization.qweight import LinearWeight, QWeight, can_stack, stack_rows
 from radixserve.model_source import ModelLoadError
 
 Take = Callable[..., torch.Tensor]  # (name, rows=None, cols=None) -> tensor on the device
@@ -150,13 +151,6 @@ def _stack_quantized(qtake: QTake, base: str, names: tuple[str, str, str], part:
     return stack_experts(gate_up, f"{base} gate/up"), stack_experts(down, f"{base} down")
 
 
-def _float_only(qtake: QTake | None, module: str, what: str) -> None:
-    if qtake is not None and qtake(module) is not None:
-        raise ModelLoadError(f"{module}: a quantized {what} is not supported (only the "
-                             "experts load quantized); keep it in float (the quantization "
-                             "config's ignore list)")
-
-
 def load_moe_weights(take: Take, names: Collection[str], prefix: str, spec: MoESpec,
                      part: ExpertPart, qtake: QTake | None = None) -> MoEWeights:
     """Layer `prefix` ("layers.{i}.")'s MoE weights in whichever layout `names` (the
@@ -190,10 +184,27 @@ def load_moe_weights(take: Take, names: Collection[str], prefix: str, spec: MoES
                          down=down, first_expert=part.first_expert)
     if spec.shared_expert_size:
         s = f"{prefix}mlp.shared_expert."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            _float_only(qtake, s + proj, "shared expert")
-        weights.shared_gate_up = torch.cat([take(s + "gate_proj.weight", part.shared_rows),
-                                            take(s + "up_proj.weight", part.shared_rows)])
-        weights.shared_down = take(s + "down_proj.weight", None, part.shared_rows)
+        rows = part.shared_rows
+        weights.shared_gate_up = _linear([_part(take, qtake, s + "gate_proj", rows, None),
+                                          _part(take, qtake, s + "up_proj", rows, None)], s)
+        weights.shared_down = _linear([_part(take, qtake, s + "down_proj", None, rows)], s)
         weights.shared_gate = take(f"{prefix}mlp.shared_expert_gate.weight")
     return weights
+
+
+def _part(take: Take, qtake: QTake | None, module: str, rows: slice | None,
+          cols: slice | None) -> torch.Tensor | QWeight:
+    """A dense projection (the shared expert's): its QWeight where quantized, else float."""
+    q = None if qtake is None else qtake(module, rows, cols)
+    return take(module + ".weight", rows, cols) if q is None else _no_perm(q, module)
+
+
+def _linear(parts: list[torch.Tensor | QWeight], what: str) -> LinearWeight:
+    """Float projections concatenated, or all quantized (weights.py's rule)."""
+    floats = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(floats) == len(parts):
+        return floats[0] if len(floats) == 1 else torch.cat(floats)
+    if floats:
+        raise ModelLoadError(f"{what}: some of its projections are quantized and some are "
+                             "not; they must share one scheme")
+    return [p for p in parts if isinstance(p, QWeight)]
