@@ -38,6 +38,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("compressed-tensors", {"format": "pack-quantized", "bits": 8}),  # W8A16 per channel
     ("fp8", {"block": (32, 48)}),  # weight_scale_inv, partial blocks at the edges
     ("fp8", {}),  # per-tensor weight_scale
+    ("awq", {"group": 32}),  # AutoAWQ GEMM experts (its writer: groups dividing K)
+    ("gptq", {"bits": 4, "group": 32, "sym": False}),
 ]
 PROMPTS = random_prompts([5, 9, 23], 200)
 
