@@ -1,7 +1,8 @@
 """The native CPU experts of a mixture-of-experts layer: loading the op, and when it runs.
 
-Owns: loading csrc/moe_experts.cpp's op `moe_experts` at the process's CPU tier
-(platform/kernels.py's MOE_EXPERTS, built per tier) and `MoEExpertsOp`, its signature:
+Owns: loading csrc/moe/moe_experts.cpp's op `moe_experts` (and csrc/moe/moe_quant.cpp's
+`moe_experts_quant`, the quantized experts': load_moe_experts_quant) at the process's CPU
+tier (platform/kernels.py's MOE_EXPERTS, built per tier) and `MoEExpertsOp`, its signature:
 
     moe_experts(x (T, D), topk_weights (T, k), topk_ids (T, k) int64,
                 gate_up (E, 2F, D), down (E, D, F), first_expert,

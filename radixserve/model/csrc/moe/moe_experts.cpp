@@ -45,7 +45,6 @@ using radixserve_moe::combine;
 using radixserve_moe::gemm_rows;
 using radixserve_moe::group_pairs;
 using radixserve_moe::Grouping;
-using radixserve_moe::round_bf16;
 using radixserve_moe::silu_mul;
 
 constexpr int64_t GU_BLOCK = 32;   // intermediate channels per gate/up task
