@@ -4,8 +4,10 @@ Owns: the routing math (router linear, softmax over experts in fp32, top-k, reno
 not: HF's TopKRouter order), the CPU grouped-expert compute, Qwen2-MoE's sigmoid-gated shared
 expert, and the partial-sum contract under tensor / expert parallelism. On the model's fused
 path (CUDA's Triton backend) the experts run as one Triton fused MoE
-(triton_kernels/fused_moe.py), else as the grouped compute below. Does not know: checkpoints
-(moe_weights.py), attention, the decoder loop, collectives (the caller all-reduces).
+(triton_kernels/fused_moe.py), else as the grouped compute below; quantized experts run as
+the caller's ExpertsKernel (moe_quant.py; the shared types: moe_types.py). Does not know:
+checkpoints (moe_weights.py), attention, the decoder loop, collectives (the caller
+all-reduces).
 
 CPU grouped compute (no loop over tokens): the (token, expert) pairs are sorted once by expert
 (a stable sort: each expert's tokens stay in token order), the sorted pairs' rows gathered
@@ -32,15 +34,16 @@ rank only, as for the dense MLP).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.model.cpu_linear import GatedMLP, prepack
 from radixserve.model.layers.moe_spec import MoESpec
+from radixserve.model.layers.moe_types import Experts, ExpertsKernel, SharedExpert
+from radixserve.model.layers.moe_types import Routing as Routing  # re-exported: its home was here
 from radixserve.model.moe_kernel import (
     MoEExpertsOp,
     bf16_dot_products,
@@ -51,11 +54,6 @@ from radixserve.model.moe_kernel import (
 from radixserve.model.quantization.experts import StackedQWeight
 from radixserve.model.quantization.qweight import LinearWeight
 from radixserve.model_source import ModelLoadError
-
-
-class Routing(NamedTuple):
-    weights: torch.Tensor  # (T, k) in the activations' dtype
-    expert_ids: torch.Tensor  # (T, k) int64, global expert indices
 
 
 @dataclass
@@ -72,40 +70,17 @@ class MoEWeights:
     shared_down: LinearWeight | None = None  # (hidden, S_local)
     shared_gate: torch.Tensor | None = None  # (1, hidden): sigmoid(x @ shared_gate.T)
 
-
-class DequantizedExperts:
-    """Quantized experts as the torch path indexes them: [e] is expert e's weight dequantized
-    to `dtype` (made when asked, dropped after its GEMM: one expert's floats at a time)."""
-
-    def __init__(self, dequantize: Callable[[int], torch.Tensor], num: int,
-                 dtype: torch.dtype) -> None:
-        self.dequantize, self.shape, self.dtype = dequantize, (num,), dtype
-
-    def __getitem__(self, e: int) -> torch.Tensor:  # (N, K)
-        return self.dequantize(e).to(self.dtype)
-
-
-Experts = torch.Tensor | DequantizedExperts  # what the torch path's GEMMs index by expert
-
-
-class SharedExpert(Protocol):
-    """Qwen2-MoE's shared expert as the block calls it (cpu_linear.GatedMLP, or
-    layers/moe_quant.py's QuantSharedExpert)."""
-
     @property
-    def nbytes(self) -> int: ...
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
-
-
-class ExpertsKernel(Protocol):
-    """The experts of quantized weights (layers/moe_quant.py's QuantExperts)."""
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def __call__(self, x: torch.Tensor, routing: Routing, fused: bool = False
-                 ) -> torch.Tensor: ...
+    def nbytes(self) -> int:
+        """Bytes as loaded (quantized weights: their codes, scales and zero points)."""
+        n = sum(t.nbytes for t in (self.router, self.gate_up, self.down, self.shared_gate)
+                if t is not None)
+        for w in (self.shared_gate_up, self.shared_down):
+            qs = [] if w is None or isinstance(w, torch.Tensor) else w
+            n += (w.nbytes if isinstance(w, torch.Tensor) else 0) + sum(
+                q.codes.nbytes + q.scale.nbytes + (0 if q.zero is None else q.zero.nbytes)
+                for q in qs)
+        return n
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> Routing:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model.layers.linear import LinearKernel
-from radixserve.model.layers.moe import DequantizedExperts, Routing, grouped_experts
+from radixserve.model.layers.moe import grouped_experts
+from radixserve.model.layers.moe_types import DequantizedExperts, Routing
 from radixserve.model.moe_kernel import MoEExpertsOp, load_moe_experts_quant
 from radixserve.model.quantization.experts import (
     PackedExperts,
