@@ -7,6 +7,7 @@ Does not know: the engine or the rest of the model.
     python -m bench.moe_layer                 # fp32 and bf16, batch 1, 16, 64
     python -m bench.moe_layer --batch 64 --dtype bf16 --reps 30
     python -m bench.moe_layer --threads 1 --clock cpu   # on a machine shared with others
+    python -m bench.moe_layer --quant w4a16 fp8 --batch 1 16 --threads 1 --clock cpu
 
 "non-GEMM share" = the median over rounds of 1 - (the experts alone) / (the whole block), the
 two timed in turn in each round (a shared machine's load hits both). With the native op
@@ -16,6 +17,11 @@ counting sort) and its per-token sum are inside it, so what the share counts is 
 build) it is the expert GEMM loop on a precomputed grouping, and the share adds the sort, the
 row gather, the weighting and the index_add scatter. `torch path ms`: the same layer on the
 torch path (oneDNN-prepacked experts, one GEMM pair per active expert), timed alike.
+`--quant`: the bf16 layer against the same experts quantized (W4A16 group 128, FP8 per
+channel) on the native quantized op: `--layers` layers per step (8: the issue's real-ish
+model), the input changing each step so that the routing does (the experts stream from
+memory as in decode, not from a cache a fixed routing keeps warm), timed in turn per round,
+with each one's expert bytes.
 Also printed: the same layer's expert weights read per step, against a dense gated MLP of the
 active width (top_k * expert width), timed alike, to show that a step touches only the
 experts it routes to.
@@ -39,7 +45,9 @@ from radixserve.model.layers.moe import (
     group_by_expert,
     route,
 )
+from radixserve.model.layers.moe_quant import QuantExperts
 from radixserve.model.layers.moe_spec import MoESpec
+from radixserve.model.quantization.experts import quantize_experts_fp8, quantize_experts_int
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -60,16 +68,88 @@ def _interleaved_ms(fns: list[Callable[[], object]], reps: int,
     return times
 
 
-def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype, native: bool) -> MoEBlock:
-    g = torch.Generator().manual_seed(0)
+def _weights(spec: MoESpec, hidden: int, dtype: torch.dtype, seed: int = 0) -> MoEWeights:
+    g = torch.Generator().manual_seed(seed)
     e, f = spec.num_experts, spec.expert_size
 
     def w(*shape: int) -> torch.Tensor:
         t: torch.Tensor = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
         return t.to(dtype)
 
-    return MoEBlock(spec, MoEWeights(router=w(e, hidden), gate_up=w(e, 2 * f, hidden),
-                                     down=w(e, hidden, f)), native=native)
+    return MoEWeights(router=w(e, hidden), gate_up=w(e, 2 * f, hidden), down=w(e, hidden, f))
+
+
+def _layer(spec: MoESpec, hidden: int, dtype: torch.dtype, native: bool) -> MoEBlock:
+    return MoEBlock(spec, _weights(spec, hidden, dtype), native=native)
+
+
+def _quant_layer(spec: MoESpec, hidden: int, fmt: str, seed: int) -> MoEBlock:
+    """A layer of _weights(seed) (bf16 router; fmt "bf16": the float layer on the native op)
+    with its experts quantized round-to-nearest: w4a16 (int4, groups of 128, symmetric:
+    compressed-tensors' W4A16) or fp8 (per channel: --quantization fp8), on the native
+    quantized op (layers/moe_quant.py)."""
+    if fmt == "bf16":
+        return MoEBlock(spec, _weights(spec, hidden, torch.bfloat16, seed))
+    w = _weights(spec, hidden, torch.float32, seed)
+    assert isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor)
+    if fmt == "fp8":
+        gu, dn = quantize_experts_fp8(w.gate_up), quantize_experts_fp8(w.down)
+    else:
+        gu, dn = (quantize_experts_int(t, 4, 128) for t in (w.gate_up, w.down))
+    experts = QuantExperts(gu, dn, spec.num_experts, 0, fused=False)
+    assert experts.op is not None, "the native op did not build"
+    return MoEBlock(spec, MoEWeights(w.router.bfloat16(), gu, dn), quant=experts)
+
+
+def _steps(layers: list[MoEBlock], xs: list[torch.Tensor]) -> Callable[[], object]:
+    """One call: the next input through every layer (the inputs, so the routing, change from
+    call to call as decode steps' do: the experts' weights come from memory, not a cache
+    that a fixed routing would keep warm)."""
+    state = {"i": 0}
+
+    def step() -> object:
+        h = xs[state["i"] % len(xs)]
+        state["i"] += 1
+        for layer in layers:
+            h = layer(h, h)
+        return h
+
+    return step
+
+
+def measure_quant(batch: int, reps: int, spec: MoESpec, hidden: int, formats: list[str],
+                  clock: Callable[[], float] = time.perf_counter, num_layers: int = 1
+                  ) -> dict[str, float]:
+    """`num_layers` layers of bf16 experts (native op) and of each quantized format on the
+    same bf16 inputs, timed in turn per round; medians (ms per step) and expert bytes."""
+    names = ["bf16", *formats]
+    stacks = [[_quant_layer(spec, hidden, f, seed) for seed in range(num_layers)]
+              for f in names]
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(batch, hidden, generator=gen).bfloat16() for _ in range(16)]
+    times = _interleaved_ms([_steps(layers, xs) for layers in stacks], reps, clock)
+    out: dict[str, float] = {"batch": batch}
+    for name, layers, ts in zip(names, stacks, times, strict=True):
+        out[f"{name}_ms"] = statistics.median(ts)
+        out[f"{name}_bytes"] = sum(b.nbytes - b.router.nbytes for b in layers)
+    return out
+
+
+def _report_quant(args: argparse.Namespace, spec: MoESpec,
+                  clock: Callable[[], float]) -> None:
+    fmts = args.quant
+    print(f"quantized experts vs bf16 (bf16 activations, the native op each), {args.layers} "
+          "layers, inputs varying per step; ms per step, (x): bf16's time / this one's")
+    print(f"{'batch':>5} {'bf16 ms':>9} " + " ".join(f"{f + ' ms':>10} {'(x)':>6}"
+                                                     for f in fmts))
+    for batch in args.batch:
+        r = measure_quant(batch, args.reps, spec, args.hidden, fmts, clock, args.layers)
+        cells = " ".join(f"{r[f + '_ms']:10.3f} {r['bf16_ms'] / r[f + '_ms']:6.2f}"
+                         for f in fmts)
+        print(f"{batch:>5} {r['bf16_ms']:9.3f} {cells}")
+    print("expert bytes: " + ", ".join(
+        f"{f} {r[f + '_bytes'] / 2**20:.1f} MiB ({r[f + '_bytes'] / r['bf16_bytes']:.3f}x)"
+        for f in ["bf16", *fmts]))
 
 
 def _experts_alone(block: MoEBlock, x: torch.Tensor, routing: Routing,
@@ -118,6 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--quant", nargs="+", choices=["w4a16", "fp8"], default=None,
+                    help="instead: the bf16 layer against its experts quantized (W4A16 "
+                         "group 128, FP8 per channel), side by side")
+    ap.add_argument("--layers", type=int, default=8,
+                    help="--quant: layers per step (their experts together outgrow the caches)")
     ap.add_argument("--torch", action="store_true",
                     help="the block on the torch path (not the native op)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -133,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"MoE layer: hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
           f"expert width {args.expert_size}; threads {torch.get_num_threads()}, "
           f"{args.clock} clock, median of {args.reps}")
+    if args.quant:
+        _report_quant(args, spec, clock)
+        return
     print(f"{'dtype':>5} {'batch':>5} {'block ms':>9} {'experts ms':>10} {'non-GEMM':>9} "
           f"{'torch path ms':>13} {'experts':>7} {'dense(active) ms':>16}")
     for name in args.dtype:

@@ -22,7 +22,10 @@ from safetensors.torch import load_file, save_file
 from radixserve.model.quantization.qweight import FP8_MAX, quantize_fp8, quantize_int
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-        "qkv_proj", "gate_up_proj")  # the last two: fused in the checkpoint (Phi-3)
+        "qkv_proj", "gate_up_proj",  # these two: fused in the checkpoint (Phi-3)
+        "w1", "w2", "w3")  # Mixtral's experts (a MoE router, `*.gate`, stays in float)
+# llm-compressor's MoE recipes leave the routers out, as vLLM expects
+ROUTERS = ("re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -141,7 +144,7 @@ def quant_config(method: str, opts: dict[str, Any]) -> dict[str, Any]:
     return {"quant_method": "compressed-tensors", "format": fmt,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": act}},
-            "ignore": ["lm_head", *opts.get("skip", [])]}
+            "ignore": ["lm_head", *ROUTERS, *opts.get("skip", [])]}
 
 
 def _encode(method: str, w: torch.Tensor, opts: dict[str, Any], seed: int

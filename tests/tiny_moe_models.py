@@ -23,22 +23,24 @@ Layout = Literal["per_expert", "packed"]
 
 
 def _config(family: str, common: dict[str, Any], num_experts: int, top_k: int,
-            sparse: dict[str, Any]) -> Any:
+            sparse: dict[str, Any], width: int = 32) -> Any:
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, num_experts=num_experts,
-                                           num_experts_per_tok=top_k, moe_intermediate_size=32,
+                                           num_experts_per_tok=top_k,
+                                           moe_intermediate_size=width,
                                            norm_topk_prob=True, head_dim=16, **sparse)
     if family == "qwen2_moe":
         return transformers.Qwen2MoeConfig(**common, num_experts=num_experts,
-                                           num_experts_per_tok=top_k, moe_intermediate_size=32,
+                                           num_experts_per_tok=top_k,
+                                           moe_intermediate_size=width,
                                            shared_expert_intermediate_size=48,
                                            norm_topk_prob=False, **sparse)
     if family == "mixtral":
-        common = {**common, "intermediate_size": 32}
+        common = {**common, "intermediate_size": width}
         return transformers.MixtralConfig(**common, num_local_experts=num_experts,
                                           num_experts_per_tok=top_k, sliding_window=None)
     if family == "olmoe":
-        common = {**common, "intermediate_size": 32}
+        common = {**common, "intermediate_size": width}
         return transformers.OlmoeConfig(**common, num_experts=num_experts,
                                         num_experts_per_tok=top_k, norm_topk_prob=False)
     raise ValueError(f"unknown MoE family {family}")
@@ -46,9 +48,10 @@ def _config(family: str, common: dict[str, Any], num_experts: int, top_k: int,
 
 def build_tiny_moe(family: str, *, num_experts: int = 8, top_k: int = 2, num_layers: int = 2,
                    hidden_size: int = 64, seed: int = 0,
-                   sparse: dict[str, Any] | None = None) -> PreTrainedModel:
+                   sparse: dict[str, Any] | None = None, expert_size: int = 32
+                   ) -> PreTrainedModel:
     """A random HF model of `family` (FAMILIES) in fp32. `sparse`: the Qwens'
-    decoder_sparse_step / mlp_only_layers."""
+    decoder_sparse_step / mlp_only_layers; `expert_size`: each expert's intermediate width."""
     tokenizer = make_tokenizer()
     common = {
         "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 96,
@@ -60,7 +63,7 @@ def build_tiny_moe(family: str, *, num_experts: int = 8, top_k: int = 2, num_lay
         "eos_token_id": None, "bos_token_id": None,
         "pad_token_id": tokenizer.pad_token_id, "rms_norm_eps": 1e-6,
     }
-    cfg = _config(family, common, num_experts, top_k, sparse or {})
+    cfg = _config(family, common, num_experts, top_k, sparse or {}, expert_size)
     torch.manual_seed(seed)
     model: PreTrainedModel = _model_class(family)(cfg)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""What aot_check compiles for the GEMM-like kernels: the fused MoE, the quantized GEMMs
+"""What aot_check compiles for the GEMM-like kernels: the fused MoE (float and quantized
+experts), the quantized GEMMs
 (W4A16 and FP8 W8A8) and LoRA's shrink/expand (SGMV and BGMV), at the constexprs their
 wrappers pass on a GPU.
 
@@ -12,10 +13,11 @@ the kernels compute.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from triton_kernels import fused_moe, lora_expand, lora_shrink, quant_gemm
+from triton_kernels import fused_moe, fused_moe_quant, lora_expand, lora_shrink, quant_gemm
 from triton_kernels._common import next_pow2
 from triton_kernels.aot_launches import PTR, Launch
 
@@ -32,25 +34,43 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == F32 else "tf32"
 
 
+def _moe_pair(dtype: torch.dtype, hidden: int, inter: int, top_k: int, tokens: int,
+              w: str, quant: dict[str, Any]) -> Iterator[Launch]:
+    """fused_moe's two kernels on weights of pointer type `w` (`quant`: KIND, GROUP)."""
+    m, t = fused_moe, PTR[dtype]
+    common = {"NUM_PAIRS": tokens * top_k, "HIDDEN": hidden, "INTER": inter,
+              "BLOCK_M": m.BLOCK_M, "BLOCK_N": m.BLOCK_N, "BLOCK_K": m.BLOCK_K,
+              "DOT_PRECISION": _precision(dtype), "UPCAST": False, **quant}
+    scales = {"ws": t if w == t else "*fp32", "wz": t if w == t else "*fp32",
+              "stride_se": I32, "stride_sn": I32}
+    yield Launch(m._gate_up_kernel,
+                 {"x": t, "w": w, "sorted_pairs": "*i32", "block_experts": "*i32",
+                  "act": t, "stride_x": I32, "stride_we": I32, "stride_wn": I32,
+                  "stride_a": I32, **scales}, {**common, "TOP_K": top_k}, 4, 3)
+    yield Launch(m._down_kernel,
+                 {"act": t, "w": w, "weights": t, "sorted_pairs": "*i32",
+                  "block_experts": "*i32", "out": t, "stride_a": I32, "stride_we": I32,
+                  "stride_wn": I32, "stride_o": I32, **scales}, common, 4, 3)
+
+
 def moe_launches() -> Iterator[tuple[Launch, str]]:
     """fused_moe's two kernels: (dtype, hidden, inter, top-k, tokens) of Qwen3-MoE in bf16,
-    Mixtral in fp16 at one token, and odd fp32 sizes (every tile edge masked)."""
-    m = fused_moe
+    Mixtral in fp16 at one token, and odd fp32 sizes (every tile edge masked); and on
+    quantized experts (fused_moe_quant.py): W4A16 groups of 128 (Qwen3-MoE) and 32, W8A16
+    and FP8 per channel, FP8 blocks of 128 (DeepSeek / Qwen3-FP8)."""
+    q = fused_moe_quant
     for dtype, hidden, inter, top_k, tokens in ((BF16, 2048, 768, 8, 256),
                                                 (F16, 4096, 14336, 2, 1), (F32, 96, 80, 3, 5)):
-        t = PTR[dtype]
-        common = {"NUM_PAIRS": tokens * top_k, "HIDDEN": hidden, "INTER": inter,
-                  "BLOCK_M": m.BLOCK_M, "BLOCK_N": m.BLOCK_N, "BLOCK_K": m.BLOCK_K,
-                  "DOT_PRECISION": _precision(dtype), "UPCAST": False}
         label = f"{_name(dtype):<9} hidden={hidden} inter={inter} top_k={top_k}"
-        yield Launch(m._gate_up_kernel,
-                     {"x": t, "w": t, "sorted_pairs": "*i32", "block_experts": "*i32",
-                      "act": t, "stride_x": I32, "stride_we": I32, "stride_wn": I32,
-                      "stride_a": I32}, {**common, "TOP_K": top_k}, 4, 3), label
-        yield Launch(m._down_kernel,
-                     {"act": t, "w": t, "weights": t, "sorted_pairs": "*i32",
-                      "block_experts": "*i32", "out": t, "stride_a": I32, "stride_we": I32,
-                      "stride_wn": I32, "stride_o": I32}, common, 4, 3), label
+        for launch in _moe_pair(dtype, hidden, inter, top_k, tokens, PTR[dtype],
+                                {"KIND": q.FLOAT, "GROUP": 1}):
+            yield launch, label
+    for dtype, kind, w, group in ((BF16, q.INT4, "*u8", 128), (F16, q.INT4, "*u8", 32),
+                                  (BF16, q.INT8, "*u8", 2048), (BF16, q.FP8, "*fp8e4nv", 2048),
+                                  (BF16, q.FP8, "*fp8e4nv", 128)):
+        name = {q.INT4: "int4", q.INT8: "int8", q.FP8: "fp8"}[kind]
+        for launch in _moe_pair(dtype, 2048, 768, 8, 64, w, {"KIND": kind, "GROUP": group}):
+            yield launch, f"{_name(dtype):<9} moe {name} group={group}"
 
 
 def quant_launches() -> Iterator[tuple[Launch, str]]:

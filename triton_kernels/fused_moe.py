@@ -17,6 +17,9 @@ Design (as vLLM's fused_moe and SGLang's, written anew):
 3. `_down_kernel`: per (block, hidden tile): act rows times the expert's down weight, scaled
    by the pair's top-k weight, stored to the pair's row of `pair_out` (T * k, hidden).
 4. torch sums each token's k rows (pairs of other ranks' experts stay zero).
+Quantized experts (W4A16, W8A16, FP8 weight-only): both kernels load their B tile through
+fused_moe_quant.weight_tile, which dequantizes the codes to the activations' dtype in
+registers (a float weight's tile it loads as it is).
 Numerics: fp32 accumulation; the GEMM outputs, silu, the product and the weighted output are
 rounded to the activation dtype as torch's chain of ops rounds them (fp32: within 1e-5 of
 torch's; bf16: within a bf16 step or two, the sums run in another order).
@@ -35,8 +38,10 @@ import triton.language as tl
 
 from triton_kernels._common import KV_DTYPES, cdiv, check_launchable, dot_flags
 from triton_kernels._rounding import round_to
+from triton_kernels.fused_moe_quant import MoEQuantWeight, expert_shape, kernel_args, weight_tile
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+Experts = torch.Tensor | MoEQuantWeight  # float in x's dtype, or quantized
 
 
 class Aligned(NamedTuple):
@@ -87,7 +92,8 @@ def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we,
                     stride_a, NUM_PAIRS: tl.constexpr, TOP_K: tl.constexpr,
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    ws, wz, stride_se, stride_sn, KIND: tl.constexpr, GROUP: tl.constexpr):
     # grid (blocks, F tiles): act[pair, n] = silu(x[tok] @ w[e, n].T) * (x[tok] @ w[e, F+n].T)
     expert = tl.load(block_experts + tl.program_id(0))
     if expert < 0:
@@ -99,14 +105,16 @@ def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
     w_e = w + expert.to(tl.int64) * stride_we
+    s_e, z_e = ws + expert.to(tl.int64) * stride_se, wz + expert.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _load_rows(x, tok, stride_x, offs_k, valid, HIDDEN, UPCAST)  # (BM, BK)
-        g = tl.trans(_load_rows(w_e, offs_n, stride_wn, offs_k, mask_n, HIDDEN, UPCAST))
-        u = tl.trans(_load_rows(w_e, INTER + offs_n, stride_wn, offs_k, mask_n, HIDDEN,
-                                UPCAST))  # (BK, BN) each
+        g = weight_tile(w_e, s_e, z_e, offs_n, mask_n, k0, stride_wn, stride_sn, HIDDEN,
+                        BLOCK_K, KIND, GROUP, x.dtype.element_ty, UPCAST)
+        u = weight_tile(w_e, s_e, z_e, INTER + offs_n, mask_n, k0, stride_wn, stride_sn,
+                        HIDDEN, BLOCK_K, KIND, GROUP, x.dtype.element_ty, UPCAST)  # (BK, BN)
         acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
     dtype = act.dtype.element_ty
@@ -121,7 +129,8 @@ def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we,
 def _down_kernel(act, w, weights, sorted_pairs, block_experts, out, stride_a, stride_we,
                  stride_wn, stride_o, NUM_PAIRS: tl.constexpr, HIDDEN: tl.constexpr,
                  INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 ws, wz, stride_se, stride_sn, KIND: tl.constexpr, GROUP: tl.constexpr):
     # grid (blocks, hidden tiles): out[pair, n] = (act[pair] @ w[e, n].T) * weights[pair]
     expert = tl.load(block_experts + tl.program_id(0))
     if expert < 0:
@@ -132,11 +141,13 @@ def _down_kernel(act, w, weights, sorted_pairs, block_experts, out, stride_a, st
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < HIDDEN
     w_e = w + expert.to(tl.int64) * stride_we
+    s_e, z_e = ws + expert.to(tl.int64) * stride_se, wz + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _load_rows(act, pair.to(tl.int64), stride_a, offs_k, valid, INTER, UPCAST)
-        d = tl.trans(_load_rows(w_e, offs_n, stride_wn, offs_k, mask_n, INTER, UPCAST))
+        d = weight_tile(w_e, s_e, z_e, offs_n, mask_n, k0, stride_wn, stride_sn, INTER,
+                        BLOCK_K, KIND, GROUP, act.dtype.element_ty, UPCAST)
         acc = tl.dot(a, d, acc, input_precision=DOT_PRECISION)  # (BM, BN)
     dtype = out.dtype.element_ty
     scale = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)  # (BM,)
@@ -145,31 +156,36 @@ def _down_kernel(act, w, weights, sorted_pairs, block_experts, out, stride_a, st
              mask=valid[:, None] & mask_n[None, :])
 
 
-def _check(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-           down: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Experts,
+           down: Experts) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be (T, hidden) rows, got {x.shape}"
     assert x.dtype in KV_DTYPES, f"unsupported dtype {x.dtype}"
     assert weights.shape == ids.shape and ids.shape[0] == x.shape[0], (weights.shape, ids.shape)
-    assert gate_up.dim() == 3 and gate_up.shape[2] == x.shape[1], gate_up.shape
-    num_local, two_f, hidden = gate_up.shape
-    assert tuple(down.shape) == (num_local, hidden, two_f // 2), down.shape
-    for t in (gate_up, down):
-        assert t.is_contiguous() and t.dtype == x.dtype and t.device == x.device
+    num_local, two_f, hidden = expert_shape(gate_up)
+    assert hidden == x.shape[1], (hidden, x.shape)
+    assert expert_shape(down) == (num_local, hidden, two_f // 2), expert_shape(down)
+    for w in (gate_up, down):
+        t, _ = kernel_args(w)
+        assert t.is_contiguous() and t.device == x.device
+        assert not isinstance(w, torch.Tensor) or t.dtype == x.dtype
 
 
 def fused_moe(
     x: torch.Tensor,  # (T, hidden)
     topk_weights: torch.Tensor,  # (T, k)
     topk_ids: torch.Tensor,  # (T, k) global expert indices
-    gate_up: torch.Tensor,  # (E_local, 2F, hidden): gate rows, then up rows
-    down: torch.Tensor,  # (E_local, hidden, F)
+    gate_up: Experts,  # (E_local, 2F, hidden): gate rows, then up rows
+    down: Experts,  # (E_local, hidden, F)
     *,
     first_expert: int = 0,  # global index of gate_up[0] (expert parallelism)
 ) -> torch.Tensor:  # (T, hidden): sum over the local experts of weight * expert(x)
-    """Each token's weighted sum over its top-k experts held here (others contribute 0)."""
+    """Each token's weighted sum over its top-k experts held here (others contribute 0);
+    the experts float in x's dtype or quantized (fused_moe_quant.py: dequantized in the
+    B tile)."""
     _check(x, topk_weights, topk_ids, gate_up, down)
     num_tokens, top_k = topk_ids.shape
-    num_local, hidden, inter = down.shape
+    num_local, hidden, inter = expert_shape(down)
+    (gu, gu_args), (dn, dn_args) = kernel_args(gate_up), kernel_args(down)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
@@ -183,10 +199,10 @@ def fused_moe(
               "DOT_PRECISION": precision, "UPCAST": upcast, "NUM_PAIRS": num_pairs,
               "HIDDEN": hidden, "INTER": inter}
     _gate_up_kernel[(blocks, cdiv(inter, BLOCK_N))](
-        x, gate_up, aligned.sorted_pairs, aligned.block_experts, act, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), act.stride(0), TOP_K=top_k, **common)
+        x, gu, aligned.sorted_pairs, aligned.block_experts, act, x.stride(0),
+        gu.stride(0), gu.stride(1), act.stride(0), TOP_K=top_k, **common, **gu_args)
     w = topk_weights.to(x.dtype).reshape(-1).contiguous()  # (P,)
     _down_kernel[(blocks, cdiv(hidden, BLOCK_N))](
-        act, down, w, aligned.sorted_pairs, aligned.block_experts, pair_out, act.stride(0),
-        down.stride(0), down.stride(1), pair_out.stride(0), **common)
+        act, dn, w, aligned.sorted_pairs, aligned.block_experts, pair_out, act.stride(0),
+        dn.stride(0), dn.stride(1), pair_out.stride(0), **common, **dn_args)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)  # (T, hidden)

@@ -1,7 +1,8 @@
 """The native CPU experts of a mixture-of-experts layer: loading the op, and when it runs.
 
-Owns: loading csrc/moe_experts.cpp's op `moe_experts` at the process's CPU tier
-(platform/kernels.py's MOE_EXPERTS, built per tier) and `MoEExpertsOp`, its signature:
+Owns: loading csrc/moe/moe_experts.cpp's op `moe_experts` (and csrc/moe/moe_quant.cpp's
+`moe_experts_quant`, the quantized experts': load_moe_experts_quant) at the process's CPU
+tier (platform/kernels.py's MOE_EXPERTS, built per tier) and `MoEExpertsOp`, its signature:
 
     moe_experts(x (T, D), topk_weights (T, k), topk_ids (T, k) int64,
                 gate_up (E, 2F, D), down (E, D, F), first_expert,
@@ -78,3 +79,21 @@ def quantize_experts(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     e, n, k = stacked.shape
     q = quantize_per_channel(stacked.reshape(e * n, k))
     return q.qweight.view(e, n, k), q.scale.view(e, n)
+
+
+def load_moe_experts_quant(device: torch.device) -> MoEExpertsOp | None:
+    """csrc/moe/moe_quant.cpp's op on quantized experts at the process's tier (x float32 or
+    bfloat16):
+
+        moe_experts_quant(x, topk_weights, topk_ids, gu_codes, gu_scale, gu_zero, gu_kind,
+                          gu_group, dn_codes, dn_scale, dn_zero, dn_kind, dn_group, inter,
+                          first_expert) -> (T, D)
+
+    on quantization/experts.py's PackedExperts; None where it does not apply or build."""
+    if device.type != "cpu":
+        return None
+    loaded = load_extension(MOE_EXPERTS)
+    if loaded is None:
+        return None
+    op: MoEExpertsOp = loaded.op("moe_experts_quant")
+    return op

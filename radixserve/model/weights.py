@@ -253,7 +253,7 @@ def _load(spec: ModelArch, take: _Readers, shard: TPShard | None, stored: Collec
         rows = {"q": q, "k": kv, "v": kv}
         experts = None
         if moe is not None and part is not None and moe.is_sparse(i):
-            experts = load_moe_weights(take, stored, p, moe, part)
+            experts = load_moe_weights(take, stored, p, moe, part, take.qtake)
         sparse = experts is not None
         qkv = _qkv(spec, take, p, rows, names)
         bias = _qkv_bias(spec, take, p, rows, names) if spec.qkv_bias else None

@@ -69,8 +69,10 @@ QUANT_GEMM = NativeExtension(
     ("quant_gemm", "quant_dequantize"))
 
 MOE_EXPERTS = NativeExtension(
-    "radixserve_moe_experts", (_MODEL / "moe" / "moe_experts.cpp",), "CPU mixture-of-experts kernel",
-    ("moe_experts",), header_dirs=(_ATTN,))  # bf16_access.h, vec_math.h
+    "radixserve_moe_experts",
+    (_MODEL / "moe" / "moe_experts.cpp", _MODEL / "moe" / "moe_quant.cpp"),
+    "CPU mixture-of-experts kernel", ("moe_experts", "moe_experts_quant"),
+    header_dirs=(_ATTN, _MODEL))  # bf16_access.h, vec_math.h; quant_gemm_simd.h
 
 EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM,
                                            MOE_EXPERTS)

@@ -255,3 +255,4 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
                  "_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel",
                  "_bgmv_expand_kernel"):
         assert name in compiled, name
+    assert "moe int4 group=128" in proc.stdout and "moe fp8 group=128" in proc.stdout  # quantized

@@ -33,23 +33,6 @@ constexpr int64_t MB = 64;      // rows per block of x
 constexpr int64_t KC = 128;     // inputs per dequantized chunk (16 x 128 fp32: 8 KiB)
 constexpr int64_t kSmallRows = 4;  // at or below: the decode blocks
 
-// acc (mr, 16) += x (mr rows, ldx apart, kc inputs) @ w (kc, 16)
-template <int mr>
-inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc_out) {
-  float acc[mr][CB] = {};
-  for (int64_t i = 0; i < kc; ++i) {
-    const float* wi = w + i * CB;
-    for (int r = 0; r < mr; ++r) {
-      const float xv = x[r * ldx + i];
-#pragma omp simd
-      for (int j = 0; j < CB; ++j) acc[r][j] += xv * wi[j];
-    }
-  }
-  for (int r = 0; r < mr; ++r)
-#pragma omp simd
-    for (int j = 0; j < CB; ++j) acc_out[r * CB + j] += acc[r][j];
-}
-
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 constexpr MicroFn kMicro[MR] = {&micro<1>, &micro<2>, &micro<3>, &micro<4>};
 

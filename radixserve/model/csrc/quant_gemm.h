@@ -83,6 +83,23 @@ inline void dequant_chunk(const uint8_t* blk, int64_t k0, int64_t kc, const floa
   }
 }
 
+// acc (mr, 16) += x (mr rows, ldx apart, kc inputs) @ w (kc, 16)
+template <int mr>
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc_out) {
+  float acc[mr][CB] = {};
+  for (int64_t i = 0; i < kc; ++i) {
+    const float* wi = w + i * CB;
+    for (int r = 0; r < mr; ++r) {
+      const float xv = x[r * ldx + i];
+#pragma omp simd
+      for (int j = 0; j < CB; ++j) acc[r][j] += xv * wi[j];
+    }
+  }
+  for (int r = 0; r < mr; ++r)
+#pragma omp simd
+    for (int j = 0; j < CB; ++j) acc_out[r * CB + j] += acc[r][j];
+}
+
 // Few rows (decode), plain C++: block nb's 16 outputs of rows [r0, r0 + mr) into out (mr, 16).
 // Per group, acc = x . codes (raw values), then y += scale * (acc - zero * sum(x over the
 // group)): the zero point and scale cost once per group, not once per weight.

@@ -4,7 +4,9 @@ Owns: SparseMoE (the FeedForward slot over layers/moe.py's MoEBlock: the residua
 under tensor or expert parallelism the one all-reduce of the ranks' partial sums, rank 0
 alone adding the residual) and moe_layers (Llama's decoder layer with the MoE block on the
 sparse layers and the dense gated MLP on the others: Qwen-MoE's mlp_only_layers and
-decoder_sparse_step). Does not know: any family's config keys (qwen_moe.py, mixtral.py,
+decoder_sparse_step), and which experts a linear method gives: float, int8
+(--quantization int8), or quantized (a quantized checkpoint's, or --quantization fp8's
+per-channel FP8: layers/moe_quant.py). Does not know: any family's config keys (qwen_moe.py, mixtral.py,
 olmoe.py), the expert kernels (layers/moe.py, triton_kernels/fused_moe.py).
 """
 
@@ -19,9 +21,12 @@ from radixserve.model.families.base import DecoderLayer, ModelParts
 from radixserve.model.families.llama import llama_layer
 from radixserve.model.layers.context import ForwardContext
 from radixserve.model.layers.linear import FloatMethod, Int8Method
-from radixserve.model.layers.moe import MoEBlock
+from radixserve.model.layers.moe import MoEBlock, MoEWeights
+from radixserve.model.layers.moe_quant import QuantExperts, QuantSharedExpert
 from radixserve.model.layers.moe_spec import moe_of
 from radixserve.model.layers.norm import Residual
+from radixserve.model.quantization.experts import StackedQWeight, quantize_experts_fp8
+from radixserve.model.quantization.methods import CheckpointMethod, Fp8Method
 from radixserve.model.weights import LayerWeights, ModelWeights
 from radixserve.model_source import ModelLoadError
 
@@ -55,17 +60,50 @@ class SparseMoE:
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+def _quant_experts(parts: ModelParts, weights: MoEWeights) -> QuantExperts | None:
+    """The layer's quantized experts: a quantized checkpoint's, or --quantization fp8's
+    per-channel FP8 of float ones; None where they stay float."""
+    moe = moe_of(parts.spec)
+    assert moe is not None
+    gate_up, down = weights.gate_up, weights.down
+    if isinstance(parts.method, Fp8Method) and isinstance(gate_up, torch.Tensor):
+        assert isinstance(down, torch.Tensor)
+        gate_up, down = quantize_experts_fp8(gate_up), quantize_experts_fp8(down)
+    if not isinstance(gate_up, StackedQWeight):
+        return None
+    assert isinstance(down, StackedQWeight)
+    return QuantExperts(gate_up, down, moe.num_experts, weights.first_expert, parts.fused,
+                        device=parts.device)
+
+
 def sparse_mlp(parts: ModelParts, lw: LayerWeights) -> SparseMoE:
     moe = moe_of(parts.spec)
     assert moe is not None and lw.moe is not None
     int8 = isinstance(parts.method, Int8Method)
-    if not int8 and not isinstance(parts.method, FloatMethod):
+    if not isinstance(parts.method, (FloatMethod, Int8Method, Fp8Method, CheckpointMethod)):
         raise ModelLoadError(f"{parts.method.name} quantization does not cover a "
-                             "mixture-of-experts model's experts: serve it in its dtype or "
-                             "with --quantization int8")
-    # On CPU the native MoE op (int8 experts too), else oneDNN-prepacked experts; the fused
-    # (CUDA) path runs the stacked weights.
-    return SparseMoE(MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8), parts.tp)
+                             "mixture-of-experts model's experts: serve it in its dtype, "
+                             "with --quantization int8 or fp8, or from a quantized checkpoint")
+    # On CPU the native MoE op (int8 and quantized experts too), else oneDNN-prepacked
+    # experts; the fused (CUDA) path runs the stacked weights (quantized: dequantized in the
+    # Triton kernel).
+    quant = _quant_experts(parts, lw.moe)
+    block = MoEBlock(moe, lw.moe, prepacked=not parts.fused, int8=int8, quant=quant,
+                     shared=_quant_shared(parts, lw.moe))
+    return SparseMoE(block, parts.tp)
+
+
+def _quant_shared(parts: ModelParts, weights: MoEWeights) -> QuantSharedExpert | None:
+    """Qwen2-MoE's shared expert where quantized: a checkpoint's QWeights, or float weights
+    under --quantization fp8 (per-channel FP8, as vLLM quantizes it); None: float."""
+    gate_up, down = weights.shared_gate_up, weights.shared_down
+    if gate_up is None or down is None:
+        return None
+    quantized = isinstance(gate_up, list) or isinstance(parts.method, Fp8Method)
+    if not quantized:
+        return None
+    return QuantSharedExpert(parts.method.create(gate_up, None),
+                             parts.method.create(down, None))
 
 
 def moe_layers(parts: ModelParts, weights: ModelWeights) -> Sequence[DecoderLayer]:

@@ -26,7 +26,7 @@ from radixserve.model.families.phi3 import PHI3
 from radixserve.model.families.qwen3 import QWEN3
 from radixserve.model.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from radixserve.model.layers.linear import LoraHook, linear_method
-from radixserve.model.quantization.config import QuantConfig
+from radixserve.model.quantization.config import QuantConfig, read_quant_config
 from radixserve.model.weights import ModelWeights
 from radixserve.model_source import ModelLoadError
 
@@ -104,9 +104,13 @@ def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBacken
 
 def load_model(hf_dir: Path, spec: ModelArch, backend: AttentionBackend, max_positions: int,
                dtype: torch.dtype, device: torch.device, **kw: object) -> CausalLM:
-    """Weights read and the model built in one call (tests, benches)."""
+    """Weights read and the model built in one call (tests, benches); a quantized
+    checkpoint's own quantization_config applies."""
     from radixserve.model.weights import load_weights
 
+    quant = read_quant_config(hf_dir)
     weights = load_weights(hf_dir, spec, dtype, device, show_progress=False,
-                           names=family_of(spec.architecture).weight_names)
+                           names=family_of(spec.architecture).weight_names, quant=quant)
+    if quant is not None:
+        kw.setdefault("checkpoint_quant", quant)
     return build_model(spec, weights, backend, max_positions, **kw)  # type: ignore[arg-type]

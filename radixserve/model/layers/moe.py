@@ -4,8 +4,10 @@ Owns: the routing math (router linear, softmax over experts in fp32, top-k, reno
 not: HF's TopKRouter order), the CPU grouped-expert compute, Qwen2-MoE's sigmoid-gated shared
 expert, and the partial-sum contract under tensor / expert parallelism. On the model's fused
 path (CUDA's Triton backend) the experts run as one Triton fused MoE
-(triton_kernels/fused_moe.py), else as the grouped compute below. Does not know: checkpoints
-(moe_weights.py), attention, the decoder loop, collectives (the caller all-reduces).
+(triton_kernels/fused_moe.py), else as the grouped compute below; quantized experts run as
+the caller's ExpertsKernel (moe_quant.py; the shared types: moe_types.py). Does not know:
+checkpoints (moe_weights.py), attention, the decoder loop, collectives (the caller
+all-reduces).
 
 CPU grouped compute (no loop over tokens): the (token, expert) pairs are sorted once by expert
 (a stable sort: each expert's tokens stay in token order), the sorted pairs' rows gathered
@@ -40,6 +42,8 @@ import torch.nn.functional as F
 
 from radixserve.model.cpu_linear import GatedMLP, prepack
 from radixserve.model.layers.moe_spec import MoESpec
+from radixserve.model.layers.moe_types import Experts, ExpertsKernel, SharedExpert
+from radixserve.model.layers.moe_types import Routing as Routing  # re-exported: its home was here
 from radixserve.model.moe_kernel import (
     MoEExpertsOp,
     bf16_dot_products,
@@ -47,12 +51,9 @@ from radixserve.model.moe_kernel import (
     native_fits,
     quantize_experts,
 )
+from radixserve.model.quantization.experts import StackedQWeight
+from radixserve.model.quantization.qweight import LinearWeight
 from radixserve.model_source import ModelLoadError
-
-
-class Routing(NamedTuple):
-    weights: torch.Tensor  # (T, k) in the activations' dtype
-    expert_ids: torch.Tensor  # (T, k) int64, global expert indices
 
 
 @dataclass
@@ -60,18 +61,26 @@ class MoEWeights:
     """One sparse layer's weights as this rank holds them (stacked once at load)."""
 
     router: torch.Tensor  # (E, hidden): every rank routes over all experts
-    gate_up: torch.Tensor  # (E_local, 2 * F_local, hidden): gate rows, then up rows
-    down: torch.Tensor  # (E_local, hidden, F_local)
+    # float, or a quantized checkpoint's experts (layers/moe_quant.py runs those)
+    gate_up: torch.Tensor | StackedQWeight  # (E_local, 2 * F_local, hidden): gate, then up rows
+    down: torch.Tensor | StackedQWeight  # (E_local, hidden, F_local)
     first_expert: int = 0  # global index of gate_up[0] (expert parallelism)
-    shared_gate_up: torch.Tensor | None = None  # (2 * S_local, hidden) Qwen2-MoE
-    shared_down: torch.Tensor | None = None  # (hidden, S_local)
+    # Qwen2-MoE's shared expert: float, or a quantized checkpoint's QWeights (gate, up)
+    shared_gate_up: LinearWeight | None = None  # (2 * S_local, hidden)
+    shared_down: LinearWeight | None = None  # (hidden, S_local)
     shared_gate: torch.Tensor | None = None  # (1, hidden): sigmoid(x @ shared_gate.T)
 
     @property
     def nbytes(self) -> int:
-        ts = (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
-              self.shared_gate)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        """Bytes as loaded (quantized weights: their codes, scales and zero points)."""
+        n = sum(t.nbytes for t in (self.router, self.gate_up, self.down, self.shared_gate)
+                if t is not None)
+        for w in (self.shared_gate_up, self.shared_down):
+            qs = [] if w is None or isinstance(w, torch.Tensor) else w
+            n += (w.nbytes if isinstance(w, torch.Tensor) else 0) + sum(
+                q.codes.nbytes + q.scale.nbytes + (0 if q.zero is None else q.zero.nbytes)
+                for q in qs)
+        return n
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
@@ -132,8 +141,8 @@ def _packed_expert(rows: torch.Tensor, expert: PackedExpert) -> torch.Tensor:  #
     return out
 
 
-def expert_gemms(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor | None,
-                 down: torch.Tensor | None, packed: list[PackedExpert] | None = None
+def expert_gemms(rows: torch.Tensor, counts: list[int], gate_up: Experts | None,
+                 down: Experts | None, packed: list[PackedExpert] | None = None
                  ) -> torch.Tensor:  # (P, hidden)
     """down(silu(gate(rows)) * up(rows)) with expert e's weights on its run of `counts[e]`
     contiguous rows: one GEMM pair per active expert, nothing for an idle one. `packed`:
@@ -154,8 +163,8 @@ def expert_gemms(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor | 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def grouped_experts(x: torch.Tensor, routing: Routing, gate_up: torch.Tensor | None,
-                    down: torch.Tensor | None, num_experts: int, first_expert: int = 0,
+def grouped_experts(x: torch.Tensor, routing: Routing, gate_up: Experts | None,
+                    down: Experts | None, num_experts: int, first_expert: int = 0,
                     packed: list[PackedExpert] | None = None
                     ) -> torch.Tensor:  # (T, hidden): this rank's experts' weighted sum
     """sum over each token's local top-k experts of weight * down(silu(gate(x)) * up(x)),
@@ -181,24 +190,42 @@ class MoEBlock:
     None (a parallel rank's partial sum). Called like cpu_linear.GatedMLP."""
 
     def __init__(self, spec: MoESpec, weights: MoEWeights, prepacked: bool = True,
-                 native: bool = True, int8: bool = False) -> None:
+                 native: bool = True, int8: bool = False,
+                 quant: ExpertsKernel | None = None, shared: SharedExpert | None = None
+                 ) -> None:
         """`prepacked`: False on the fused (CUDA) path, which runs the stacked weights.
         `native`: the native CPU op where it builds (else the torch grouped compute).
         `int8`: the experts as int8 codes with per-channel scales (--quantization int8; the
-        native op only: refused where it is not available)."""
+        native op only: refused where it is not available). `quant`: the experts of a
+        quantized checkpoint or --quantization fp8, built by the caller from the weights'
+        StackedQWeights (layers/moe_quant.py), which run in place of everything below.
+        `shared`: the shared expert built by the caller (a quantized one); None: from the
+        weights' float tensors."""
         self.spec = spec
         self.router = weights.router
+        self.quant = quant
+        self.first_expert = weights.first_expert
         self.num_local_experts = int(weights.gate_up.shape[0])
         self.native: MoEExpertsOp | None = None
+        self.packed: list[PackedExpert] | None = None
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (E, 2F), (E, D)
+        self._shared(weights, prepacked, shared)
+        if quant is not None:
+            self.bf16_dot = False
+            self.nbytes = quant.nbytes + self._other_bytes(weights, shared is not None)
+            return
+        assert isinstance(weights.gate_up, torch.Tensor) and isinstance(weights.down,
+                                                                        torch.Tensor)
         if prepacked and native:
             self.native = load_moe_experts(weights.gate_up.device, weights.gate_up.dtype)
         self.bf16_dot = self.native is not None and bf16_dot_products()
         use_packed = prepacked and self.native is None and not int8
         self.packed = pack_experts(weights.gate_up, weights.down) if use_packed else None
         # NOTE: the packed copies replace the stacked weights: one copy in memory.
-        self.gate_up: torch.Tensor | None = weights.gate_up if self.packed is None else None
-        self.down: torch.Tensor | None = weights.down if self.packed is None else None
-        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None  # int8: (E, 2F), (E, D)
+        if self.packed is None:
+            self.gate_up, self.down = weights.gate_up, weights.down
         if int8:
             if self.native is None:
                 raise ModelLoadError(
@@ -208,21 +235,37 @@ class MoEBlock:
             self.gate_up, gate_up_scale = quantize_experts(weights.gate_up)
             self.down, down_scale = quantize_experts(weights.down)
             self.scales = (gate_up_scale, down_scale)
-        self.first_expert = weights.first_expert
-        self.shared: GatedMLP | None = None
+        # stacked, packed (the same size) or int8 codes with their scales
+        held = (weights.gate_up, weights.down) if self.scales is None else (
+            self.gate_up, self.down, *self.scales)
+        self.nbytes = sum(t.nbytes for t in held if t is not None) + self._other_bytes(
+            weights, shared is not None)
+
+    def _other_bytes(self, weights: MoEWeights, built: bool) -> int:
+        """The router's, its shared expert's and the shared gate's bytes (`built`: a shared
+        expert the caller built, e.g. quantized; a float one's prepacked copy is the size of
+        its weights)."""
+        ts: list[LinearWeight | None] = [weights.router, weights.shared_gate]
+        if not built:
+            ts += [weights.shared_gate_up, weights.shared_down]
+        n = sum(t.nbytes for t in ts if isinstance(t, torch.Tensor))
+        return n + (self.shared.nbytes if built and self.shared is not None else 0)
+
+    def _shared(self, weights: MoEWeights, prepacked: bool, shared: SharedExpert | None
+                ) -> None:
+        self.shared: SharedExpert | None = shared
         self.shared_gate = weights.shared_gate
-        if weights.shared_gate_up is not None:
-            assert weights.shared_down is not None and weights.shared_gate is not None
-            self.shared = GatedMLP(weights.shared_gate_up, weights.shared_down,
-                                   prepacked=prepacked)
-        # the shared expert's prepacked copy is the same size
-        self.nbytes = weights.nbytes if self.scales is None else weights.nbytes - sum(
-            t.numel() * (t.element_size() - 1) - s.numel() * 4
-            for t, s in zip((weights.gate_up, weights.down), self.scales, strict=True))
+        if shared is None and weights.shared_gate_up is not None:
+            gate_up, down = weights.shared_gate_up, weights.shared_down
+            assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor), \
+                "a quantized shared expert is built by the caller"
+            self.shared = GatedMLP(gate_up, down, prepacked=prepacked)
 
     def experts(self, x: torch.Tensor, routing: Routing, fused: bool = False
                 ) -> torch.Tensor:  # (T, hidden)
         """`fused`: the Triton fused MoE (the model's fused path: CUDA, or the interpreter)."""
+        if self.quant is not None:
+            return self.quant(x, routing, fused)
         if fused:
             # Imported here: triton is never needed on the CPU path.
             from triton_kernels.fused_moe import fused_moe

@@ -35,70 +35,21 @@
 #include <cstring>
 #include <vector>
 
+#include "moe_grouping.h"
 #include "moe_tiles.h"
 
 namespace {
 
 using radixserve_bf16::bf16_t;
+using radixserve_moe::combine;
 using radixserve_moe::gemm_rows;
-using radixserve_moe::round_bf16;
-using radixserve_moe::silu_row;
+using radixserve_moe::group_pairs;
+using radixserve_moe::Grouping;
+using radixserve_moe::silu_mul;
 
 constexpr int64_t GU_BLOCK = 32;   // intermediate channels per gate/up task
 constexpr int64_t DOWN_BLOCK = 64; // hidden channels per down task
 constexpr int64_t ROW_CHUNK = 64;  // rows per pass over a task's weight block (L2-resident)
-
-// h[j] = silu(g[j]) * u[j]; `round`: a bf16 layer's roundings (HF rounds the gate and up
-// outputs, the silu and the product to bf16). g and u are overwritten.
-template <typename HT>
-void silu_mul(float* g, float* u, int64_t n, bool round, HT* h) {
-  float s[GU_BLOCK];
-  if (round) {
-    for (int64_t j = 0; j < n; ++j) {
-      g[j] = round_bf16(g[j]);
-      u[j] = round_bf16(u[j]);
-    }
-  }
-  silu_row(g, n, s);
-  for (int64_t j = 0; j < n; ++j)
-    radixserve_bf16::st(h, j, round ? round_bf16(round_bf16(s[j]) * u[j]) : s[j] * u[j]);
-}
-
-// The pairs grouped by local expert (a counting sort, stable: token order within an expert).
-struct Grouping {
-  std::vector<int64_t> offsets;   // (E + 1): expert e's sorted pairs are [offsets[e], offsets[e+1])
-  std::vector<int64_t> token;     // (P) the token of each sorted pair
-  std::vector<float> weight;      // (P) its top-k weight
-  std::vector<int64_t> position;  // (T * k) each pair's sorted position, -1 where not local
-  std::vector<int64_t> active;    // the local experts with at least one pair, ascending
-};
-
-Grouping group_pairs(const int64_t* ids, const float* w, int64_t pairs, int64_t k,
-                     int64_t first, int64_t E) {
-  Grouping g;
-  g.offsets.assign(E + 1, 0);
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t e = ids[i] - first;
-    if (e >= 0 && e < E) ++g.offsets[e + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) {
-    if (g.offsets[e + 1] > 0) g.active.push_back(e);
-    g.offsets[e + 1] += g.offsets[e];
-  }
-  std::vector<int64_t> next(g.offsets.begin(), g.offsets.end() - 1);
-  g.token.resize(g.offsets[E]);
-  g.weight.resize(g.offsets[E]);
-  g.position.assign(pairs, -1);
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t e = ids[i] - first;
-    if (e < 0 || e >= E) continue;
-    const int64_t p = next[e]++;
-    g.token[p] = i / k;
-    g.weight[p] = w[i];
-    g.position[i] = p;
-  }
-  return g;
-}
 
 // h (P, F) = silu(x_rows @ gate_e.T) * (x_rows @ up_e.T) per expert e over its sorted pairs.
 template <typename XT, typename WT>
@@ -152,31 +103,6 @@ void down_phase(const HT* h, const Grouping& g, const WT* down, const float* sca
           for (int64_t j = 0; j < nch; ++j) yr[j] *= w;
         }
       }
-    }
-  });
-}
-
-// out[t] = the sum of t's pairs' rows of y, in ascending expert order (HF adds the experts'
-// outputs one expert after another), rounded once to OT.
-template <typename OT>
-void combine(const float* y, const Grouping& g, int64_t T, int64_t k, int64_t D, OT* out) {
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(D);
-    std::vector<int64_t> pos;
-    for (int64_t t = t0; t < t1; ++t) {
-      pos.clear();
-      for (int64_t s = 0; s < k; ++s)
-        if (g.position[t * k + s] >= 0) pos.push_back(g.position[t * k + s]);
-      std::sort(pos.begin(), pos.end());  // sorted positions run in expert order
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (const int64_t p : pos) {
-        const float* yr = y + p * D;
-#pragma omp simd
-        for (int64_t j = 0; j < D; ++j) acc[j] += yr[j];
-      }
-      OT* o = out + t * D;
-#pragma omp simd
-      for (int64_t j = 0; j < D; ++j) radixserve_bf16::st(o, j, acc[j]);
     }
   });
 }

@@ -235,4 +235,22 @@ inline void silu_row(const float* g, int64_t n, float* s) {
   for (; j < n; ++j) s[j] = g[j] / (1.f + std::exp(-std::min(std::max(g[j], -80.f), 80.f)));
 }
 
+constexpr int64_t kSiluMax = 64;  // channels per silu_mul call at most
+
+// h[j] = silu(g[j]) * u[j]; `round`: a bf16 layer's roundings (HF rounds the gate and up
+// outputs, the silu and the product to bf16). g and u are overwritten.
+template <typename HT>
+inline void silu_mul(float* g, float* u, int64_t n, bool round, HT* h) {
+  float s[kSiluMax];
+  if (round) {
+    for (int64_t j = 0; j < n; ++j) {
+      g[j] = round_bf16(g[j]);
+      u[j] = round_bf16(u[j]);
+    }
+  }
+  silu_row(g, n, s);
+  for (int64_t j = 0; j < n; ++j)
+    radixserve_bf16::st(h, j, round ? round_bf16(round_bf16(s[j]) * u[j]) : s[j] * u[j]);
+}
+
 }  // namespace radixserve_moe
