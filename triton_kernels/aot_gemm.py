@@ -3,9 +3,10 @@
 wrappers pass on a GPU.
 
 Owns: those kernels' parameter types and constexpr combinations. A constexpr that takes one
-value per model shape (a group size, a rank bound, a token count) is compiled at the
-smallest and the largest tiles the wrappers can pick, and one between; the others (dtype,
-dot precision, the FP8 K tile) at every value. Does not know: compiling (aot_check.py), what
+value per model shape (a group size, a rank bound) is compiled at the smallest and the
+largest tiles the wrappers can pick, and one between; the others (dtype, dot precision, the
+FP8 K tile) at every value; a value that follows the batch (the MoE's pair count) is a
+runtime argument, not a constexpr. Does not know: compiling (aot_check.py), what
 the kernels compute.
 """
 
@@ -33,24 +34,27 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def moe_launches() -> Iterator[tuple[Launch, str]]:
-    """fused_moe's two kernels: (dtype, hidden, inter, top-k, tokens) of Qwen3-MoE in bf16,
-    Mixtral in fp16 at one token, and odd fp32 sizes (every tile edge masked)."""
+    """fused_moe's two kernels: (dtype, hidden, inter, top-k) of Qwen3-MoE in bf16, Mixtral in
+    fp16, and odd fp32 sizes (every tile edge masked). The pair count is a runtime argument:
+    one compile serves every batch size."""
     m = fused_moe
-    for dtype, hidden, inter, top_k, tokens in ((BF16, 2048, 768, 8, 256),
-                                                (F16, 4096, 14336, 2, 1), (F32, 96, 80, 3, 5)):
+    for dtype, hidden, inter, top_k in ((BF16, 2048, 768, 8), (F16, 4096, 14336, 2),
+                                        (F32, 96, 80, 3)):
         t = PTR[dtype]
-        common = {"NUM_PAIRS": tokens * top_k, "HIDDEN": hidden, "INTER": inter,
+        common = {"HIDDEN": hidden, "INTER": inter,
                   "BLOCK_M": m.BLOCK_M, "BLOCK_N": m.BLOCK_N, "BLOCK_K": m.BLOCK_K,
                   "DOT_PRECISION": _precision(dtype), "UPCAST": False}
         label = f"{_name(dtype):<9} hidden={hidden} inter={inter} top_k={top_k}"
         yield Launch(m._gate_up_kernel,
                      {"x": t, "w": t, "sorted_pairs": "*i32", "block_experts": "*i32",
                       "act": t, "stride_x": I32, "stride_we": I32, "stride_wn": I32,
-                      "stride_a": I32}, {**common, "TOP_K": top_k}, 4, 3), label
+                      "stride_a": I32, "num_pairs": I32},
+                     {**common, "TOP_K": top_k}, 4, 3), label
         yield Launch(m._down_kernel,
                      {"act": t, "w": t, "weights": t, "sorted_pairs": "*i32",
                       "block_experts": "*i32", "out": t, "stride_a": I32, "stride_we": I32,
-                      "stride_wn": I32, "stride_o": I32}, common, 4, 3), label
+                      "stride_wn": I32, "stride_o": I32, "num_pairs": I32},
+                     common, 4, 3), label
 
 
 def quant_launches() -> Iterator[tuple[Launch, str]]:
