@@ -209,6 +209,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
     case 64: by_dtype(std::integral_constant<int64_t, 64>{}); break;
     case 128: by_dtype(std::integral_constant<int64_t, 128>{}); break;
     case 32: by_dtype(std::integral_constant<int64_t, 32>{}); break;
+    // small models' heads: the generic loops' per-dot overhead (a runtime trip count, its
+    // peel and remainder) cost more than their 16 products
+    case 16: by_dtype(std::integral_constant<int64_t, 16>{}); break;
     default: by_dtype(std::integral_constant<int64_t, 0>{});  // any other head_dim
   }
   return {out, lse};
