@@ -15,7 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -28,6 +28,12 @@ int64_t first_nan(const float* row, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_loadu_ps(row + i);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) return i + __builtin_ctz(nan);
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    const int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     if (nan) return i + __builtin_ctz(nan);
   }
 #endif
@@ -53,6 +59,21 @@ float row_max(const float* row, int64_t n, bool* saw_nan) {
     *saw_nan = nan != 0;
     m = _mm512_reduce_max_ps(vm);
   }
+#elif defined(__AVX2__)
+  if (n >= 8) {
+    __m256 vm = _mm256_loadu_ps(row);
+    __m256 nan = _mm256_cmp_ps(vm, vm, _CMP_UNORD_Q);  // max_ps drops a first operand's NaN
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vm = _mm256_max_ps(vm, v);
+    }
+    *saw_nan = _mm256_movemask_ps(nan) != 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vm);
+    m = lanes[0];
+    for (int l = 1; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+  }
 #endif
   for (; i < n; ++i) {
     if (std::isnan(row[i])) *saw_nan = true;
@@ -69,6 +90,12 @@ int64_t first_equal(const float* row, int64_t n, float m) {
   const __m512 vm = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) {
     const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), vm, _CMP_EQ_OQ);
+    if (eq) return i + __builtin_ctz(eq);
+  }
+#elif defined(__AVX2__)
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), vm, _CMP_EQ_OQ));
     if (eq) return i + __builtin_ctz(eq);
   }
 #endif
