@@ -43,10 +43,12 @@ def _native_cpu_kernels_built() -> None:
     build (~20 s, more on a loaded machine; cached afterwards) must not eat into a test's
     wait for a server to become healthy. A failed build is tested by test_cpu_kernels.py."""
     from radixserve.attention.cpu_kernels import load_paged_decode
+    from radixserve.engine.sampler import load_greedy_argmax
     from radixserve.model.int8_kernel import load_int8_gemm
 
     load_paged_decode()
     load_int8_gemm()  # and the int8 GEMM (tests/model/test_int8_kernel.py)
+    load_greedy_argmax(torch.device("cpu"))  # and the sampler's argmax (every engine's)
 
 
 # The CPU tiers this host executes (RADIXSERVE_CPU_ISA can select each): the native-kernel tests

@@ -4,9 +4,10 @@ experts), the quantized GEMMs
 wrappers pass on a GPU.
 
 Owns: those kernels' parameter types and constexpr combinations. A constexpr that takes one
-value per model shape (a group size, a rank bound, a token count) is compiled at the
-smallest and the largest tiles the wrappers can pick, and one between; the others (dtype,
-dot precision, the FP8 K tile) at every value. Does not know: compiling (aot_check.py), what
+value per model shape (a group size, a rank bound) is compiled at the smallest and the
+largest tiles the wrappers can pick, and one between; the others (dtype, dot precision, the
+FP8 K tile) at every value; a value that follows the batch (the MoE's pair count) is a
+runtime argument, not a constexpr. Does not know: compiling (aot_check.py), what
 the kernels compute.
 """
 
@@ -34,15 +35,15 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == F32 else "tf32"
 
 
-def _moe_pair(dtype: torch.dtype, hidden: int, inter: int, top_k: int, tokens: int,
-              w: str, quant: dict[str, Any]) -> Iterator[Launch]:
+def _moe_pair(dtype: torch.dtype, hidden: int, inter: int, top_k: int, w: str,
+              quant: dict[str, Any]) -> Iterator[Launch]:
     """fused_moe's two kernels on weights of pointer type `w` (`quant`: KIND, GROUP)."""
     m, t = fused_moe, PTR[dtype]
-    common = {"NUM_PAIRS": tokens * top_k, "HIDDEN": hidden, "INTER": inter,
+    common = {"HIDDEN": hidden, "INTER": inter,
               "BLOCK_M": m.BLOCK_M, "BLOCK_N": m.BLOCK_N, "BLOCK_K": m.BLOCK_K,
               "DOT_PRECISION": _precision(dtype), "UPCAST": False, **quant}
     scales = {"ws": t if w == t else "*fp32", "wz": t if w == t else "*fp32",
-              "stride_se": I32, "stride_sn": I32}
+              "stride_se": I32, "stride_sn": I32, "num_pairs": I32}
     yield Launch(m._gate_up_kernel,
                  {"x": t, "w": w, "sorted_pairs": "*i32", "block_experts": "*i32",
                   "act": t, "stride_x": I32, "stride_we": I32, "stride_wn": I32,
@@ -54,22 +55,23 @@ def _moe_pair(dtype: torch.dtype, hidden: int, inter: int, top_k: int, tokens: i
 
 
 def moe_launches() -> Iterator[tuple[Launch, str]]:
-    """fused_moe's two kernels: (dtype, hidden, inter, top-k, tokens) of Qwen3-MoE in bf16,
-    Mixtral in fp16 at one token, and odd fp32 sizes (every tile edge masked); and on
-    quantized experts (fused_moe_quant.py): W4A16 groups of 128 (Qwen3-MoE) and 32, W8A16
-    and FP8 per channel, FP8 blocks of 128 (DeepSeek / Qwen3-FP8)."""
+    """fused_moe's two kernels: (dtype, hidden, inter, top-k) of Qwen3-MoE in bf16,
+    Mixtral in fp16, and odd fp32 sizes (every tile edge masked); and on quantized experts
+    (fused_moe_quant.py): W4A16 groups of 128 (Qwen3-MoE) and 32, W8A16 and FP8 per channel,
+    FP8 blocks of 128 (DeepSeek / Qwen3-FP8). The pair count is a runtime argument: one
+    compile serves every batch size."""
     q = fused_moe_quant
-    for dtype, hidden, inter, top_k, tokens in ((BF16, 2048, 768, 8, 256),
-                                                (F16, 4096, 14336, 2, 1), (F32, 96, 80, 3, 5)):
+    for dtype, hidden, inter, top_k in ((BF16, 2048, 768, 8), (F16, 4096, 14336, 2),
+                                        (F32, 96, 80, 3)):
         label = f"{_name(dtype):<9} hidden={hidden} inter={inter} top_k={top_k}"
-        for launch in _moe_pair(dtype, hidden, inter, top_k, tokens, PTR[dtype],
+        for launch in _moe_pair(dtype, hidden, inter, top_k, PTR[dtype],
                                 {"KIND": q.FLOAT, "GROUP": 1}):
             yield launch, label
     for dtype, kind, w, group in ((BF16, q.INT4, "*u8", 128), (F16, q.INT4, "*u8", 32),
                                   (BF16, q.INT8, "*u8", 2048), (BF16, q.FP8, "*fp8e4nv", 2048),
                                   (BF16, q.FP8, "*fp8e4nv", 128)):
         name = {q.INT4: "int4", q.INT8: "int8", q.FP8: "fp8"}[kind]
-        for launch in _moe_pair(dtype, 2048, 768, 8, 64, w, {"KIND": kind, "GROUP": group}):
+        for launch in _moe_pair(dtype, 2048, 768, 8, w, {"KIND": kind, "GROUP": group}):
             yield launch, f"{_name(dtype):<9} moe {name} group={group}"
 
 

@@ -87,9 +87,13 @@ def _load_rows(base, rows, stride, offs_k, mask_rows, K: tl.constexpr, UPCAST: t
     return tile.to(tl.float32) if UPCAST else tile
 
 
-@triton.jit
+# NOTE: the pair count (tokens * top-k) is a runtime argument, never specialized: it follows
+# the batch size, and as a constexpr (or specialized, as Triton does an int equal to 1 or a
+# multiple of 16) an eager server would compile new variants while serving. Everything else
+# the kernels specialize on is fixed by the model's shapes.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we, stride_wn,
-                    stride_a, NUM_PAIRS: tl.constexpr, TOP_K: tl.constexpr,
+                    stride_a, num_pairs, TOP_K: tl.constexpr,
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -100,7 +104,7 @@ def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we,
         return
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pairs + offs_m)  # (BM,)
-    valid = pair < NUM_PAIRS
+    valid = pair < num_pairs
     tok = pair // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
@@ -125,9 +129,9 @@ def _gate_up_kernel(x, w, sorted_pairs, block_experts, act, stride_x, stride_we,
              round_to(silu * up, dtype), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(act, w, weights, sorted_pairs, block_experts, out, stride_a, stride_we,
-                 stride_wn, stride_o, NUM_PAIRS: tl.constexpr, HIDDEN: tl.constexpr,
+                 stride_wn, stride_o, num_pairs, HIDDEN: tl.constexpr,
                  INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                  ws, wz, stride_se, stride_sn, KIND: tl.constexpr, GROUP: tl.constexpr):
@@ -137,7 +141,7 @@ def _down_kernel(act, w, weights, sorted_pairs, block_experts, out, stride_a, st
         return
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pairs + offs_m)  # (BM,)
-    valid = pair < NUM_PAIRS
+    valid = pair < num_pairs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < HIDDEN
     w_e = w + expert.to(tl.int64) * stride_we
@@ -196,13 +200,12 @@ def fused_moe(
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # (P, F)
     pair_out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)  # (P, hidden)
     common = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
-              "DOT_PRECISION": precision, "UPCAST": upcast, "NUM_PAIRS": num_pairs,
-              "HIDDEN": hidden, "INTER": inter}
+              "DOT_PRECISION": precision, "UPCAST": upcast, "HIDDEN": hidden, "INTER": inter}
     _gate_up_kernel[(blocks, cdiv(inter, BLOCK_N))](
         x, gu, aligned.sorted_pairs, aligned.block_experts, act, x.stride(0),
-        gu.stride(0), gu.stride(1), act.stride(0), TOP_K=top_k, **common, **gu_args)
+        gu.stride(0), gu.stride(1), act.stride(0), num_pairs, TOP_K=top_k, **common, **gu_args)
     w = topk_weights.to(x.dtype).reshape(-1).contiguous()  # (P,)
     _down_kernel[(blocks, cdiv(hidden, BLOCK_N))](
         act, dn, w, aligned.sorted_pairs, aligned.block_experts, pair_out, act.stride(0),
-        dn.stride(0), dn.stride(1), pair_out.stride(0), **common, **dn_args)
+        dn.stride(0), dn.stride(1), pair_out.stride(0), num_pairs, **common, **dn_args)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)  # (T, hidden)

@@ -16,11 +16,13 @@ speculative step's drafted positions draw what plain steps at those positions wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.grammar.mask import apply_mask, build_mask
+from radixserve.platform.kernels import SAMPLING, load_extension
 from radixserve.sched.req import Req
 from radixserve.types import TokenLogprobs
 
@@ -32,15 +34,30 @@ class SampleResult:
 
 
 GREEDY_BLOCK = 32  # the CPU argmax's block of the vocabulary (see _greedy)
+GreedyArgmax = Callable[[torch.Tensor], torch.Tensor]  # (B, vocab) float32 -> (B,) int64
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:  # (B, vocab) -> (B,) int64
-    """The first maximal index of each row (HF's argmax). torch.max over a dim returns it, as
-    argmax does, but its CPU kernel is faster over a large vocabulary (figures:
-    bench/README.md); on CPU the row is cut into blocks first: amax per block (vectorized),
-    the first block holding the row's max, then the first index of that max inside it (half
-    the CPU time of one max over the row at 1024 x 1024, bench/README.md "Host work")."""
+def load_greedy_argmax(device: torch.device) -> GreedyArgmax | None:
+    """The native CPU argmax (engine/csrc/greedy.cpp) at the process's tier; None off CPU or
+    where it does not build (then _greedy's torch form)."""
+    if device.type != "cpu":
+        return None
+    loaded = load_extension(SAMPLING)
+    return None if loaded is None else loaded.op("greedy_argmax")
+
+
+def _greedy(logits: torch.Tensor, native: GreedyArgmax | None = None
+            ) -> torch.Tensor:  # (B, vocab) -> (B,) int64
+    """The first maximal index of each row (HF's argmax; a row with a NaN: its first NaN, as
+    torch.max gives it). `native`: load_greedy_argmax()'s op, one pass per row (fp32 logits
+    on CPU; figures: bench/README.md "Issue 42"). Else torch.max over a dim returns the first maximal index, as argmax does, but its
+    CPU kernel is faster over a large vocabulary; on CPU the row is cut into blocks first: amax
+    per block (vectorized), the first block holding the row's max, then the first index of
+    that max inside it (half the CPU time of one max over the row at 1024 x 1024)."""
     rows, vocab = logits.shape
+    if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1 and (
+            logits.device.type == "cpu" and vocab > 0):
+        return native(logits)
     if logits.device.type != "cpu" or vocab % GREEDY_BLOCK or not logits.is_contiguous():
         return logits.max(dim=-1).indices
     blocks = logits.view(rows, vocab // GREEDY_BLOCK, GREEDY_BLOCK)  # (B, nb, 32)
@@ -69,6 +86,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._argmax = load_greedy_argmax(device)  # None: the torch form
 
     def sample(self, logits: torch.Tensor, reqs: list[Req],
                drafts: list[tuple[int, ...]] | None = None, plain: bool = False) -> SampleResult:
@@ -79,7 +97,7 @@ class Sampler:
         penalties, bias, min_tokens, grammar or logprobs): the argmax, without looking at
         each request."""
         if plain:
-            return SampleResult(_greedy(logits).tolist(), [None] * len(reqs))
+            return SampleResult(_greedy(logits, self._argmax).tolist(), [None] * len(reqs))
         raw = logits
         offsets = [0] * len(reqs)
         if drafts is not None and any(drafts):
@@ -104,7 +122,7 @@ class Sampler:
         requests whose sampling reads no host state that the step before may change: no
         grammar, penalties, min_tokens, seed or logprobs (DecodeRows.overlap_ok)."""
         if plain:
-            return _greedy(logits)
+            return _greedy(logits, self._argmax)
         return self._choose_tensor(logits, reqs, [0] * len(reqs))
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req], offsets: list[int]) -> list[int]:
@@ -117,7 +135,7 @@ class Sampler:
         params = [r.params for r in reqs]
         if all(p.greedy and not p.needs_penalties and p.min_tokens == 0 and not p.logit_bias
                for p in params):
-            return _greedy(logits)
+            return _greedy(logits, self._argmax)
         logits = logits.clone()
         _add_logit_bias(logits, reqs)
         for i, r in enumerate(reqs):
@@ -128,7 +146,7 @@ class Sampler:
                 # (a grammar decides where a constrained output may end)
                 banned = list(r.params.stop_token_ids) + list(self.eos_token_ids)
                 logits[i, banned] = float("-inf")
-        token_ids = _greedy(logits)  # (R,)
+        token_ids = _greedy(logits, self._argmax)  # (R,)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)

@@ -2,11 +2,12 @@
 
 Owns: loading csrc/norm_rope.cpp's ops `rms_norm` / `rope_qk` at the process's CPU tier
 (platform/kernels.py's NORM_ROPE: compiled without -ffast-math and without FMA contraction, so
-the ops round as the torch code does), and
-`rms_norm_reference` / `rope_qk_reference`: the torch code they replace, which is also the
-path on CUDA with the torch attention backend (the Triton backend's forward runs
-layers/' fused Triton path instead), without the build, or with RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers,
-the attention backend, where the cos/sin tables come from (model/rope.py).
+the ops round as the torch code does; fp32 RMSNorm adds its squares in torch's order, found
+per hidden size: NativeRmsNorm), and `rms_norm_reference` / `rope_qk_reference`: the torch
+code they replace, which is also the path on CUDA with the torch attention backend (the
+Triton backend's forward runs layers/' fused Triton path instead), without the build, or with
+RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers, the attention backend, where the cos/sin
+tables come from (model/rope.py).
 
 Why: the torch forms run 4-6 elementwise ops per call, each a pass over (and a fresh
 allocation of) the whole activation, and a forward makes 91 calls (two norms per layer, the
@@ -15,7 +16,6 @@ final norm, RoPE per layer): a visible share of a distinct-prompt workload's eng
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,16 +74,50 @@ def load_norm_rope(device: torch.device) -> NormRope:
     loaded = load_extension(NORM_ROPE)
     if loaded is None:
         return REFERENCE
-    rms_norm = functools.partial(_rms_norm_native_below_fp32, loaded.op("rms_norm"))
-    return NormRope(rms_norm, loaded.op("rope_qk"), native=True)
+    return NormRope(NativeRmsNorm(loaded.op("rms_norm")), loaded.op("rope_qk"), native=True)
 
 
-def _rms_norm_native_below_fp32(native: RmsNorm, x: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> torch.Tensor:
-    """fp32 keeps torch's RMSNorm: the native op adds the squares in another order (a few
-    ulps), and an int8 model's greedy tokens flipped on that (tests/model/test_quant.py); with the
-    pages kept (cpu_malloc.py) torch's fp32 form is cheap enough."""
-    if x.dtype == torch.float32:
-        return rms_norm_reference(x, weight, eps)
-    out: torch.Tensor = native(x, weight, eps)
-    return out
+# torch's CPU sum splits one row's reduction between threads from this many elements on
+# (ATen's GRAIN_SIZE, one output): another order, so such rows keep the torch form
+TORCH_SPLIT_ELEMENTS = 32768
+LANE_CANDIDATES = (8, 16, 4)  # widths of torch's Vectorized<float> (AVX2/default, AVX512, ...)
+
+
+class NativeRmsNorm:
+    """The native RMSNorm; in fp32 with its sum of squares in torch's own order, so that it
+    is bit-identical to rms_norm_reference (HF's order: fp32 models' greedy tokens are
+    compared with HF's, and an int8 model's flipped on a few ulps, tests/model/test_quant.py).
+
+    torch's order follows the lane count of its vectorized sum, which its build and the CPU
+    pick (8 with torch 2.13's AVX512 capability here): the first hidden size seen finds it by
+    comparing the native op at each candidate with the reference, bit for bit, on random
+    rows; one that matches none keeps the reference (so does a row too long for one thread's
+    sum, or a row with strided elements)."""
+
+    def __init__(self, native: Callable[..., torch.Tensor]) -> None:
+        self.native = native
+        self._lanes: dict[int, int | None] = {}  # hidden size -> lanes matching torch (None: none)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.native(x, weight, eps)
+        hidden = x.shape[-1]
+        if hidden not in self._lanes:
+            self._lanes[hidden] = self._torch_lanes(hidden)
+        lanes = self._lanes[hidden]
+        if lanes is None or x.stride(-1) != 1:
+            return rms_norm_reference(x, weight, eps)
+        return self.native(x, weight, eps, lanes)
+
+    def _torch_lanes(self, hidden: int) -> int | None:
+        if hidden >= TORCH_SPLIT_ELEMENTS:
+            return None
+        gen = torch.Generator().manual_seed(hidden)
+        # rows of very different scales, so that a different order shows in the last bits
+        x = torch.randn(64, hidden, generator=gen) * torch.rand(64, 1, generator=gen) * 8
+        w = torch.rand(hidden, generator=gen) + 0.5
+        ref = rms_norm_reference(x, w, 1e-5)
+        for lanes in LANE_CANDIDATES:
+            if torch.equal(self.native(x, w, 1e-5, lanes), ref):
+                return lanes
+        return None

@@ -74,8 +74,13 @@ MOE_EXPERTS = NativeExtension(
     "CPU mixture-of-experts kernel", ("moe_experts", "moe_experts_quant"),
     header_dirs=(_ATTN, _MODEL))  # bf16_access.h, vec_math.h; quant_gemm_simd.h
 
+# No -ffast-math: its NaN tests must stay
+SAMPLING = NativeExtension(
+    "radixserve_cpu_sampling", (_ROOT / "engine" / "csrc" / "greedy.cpp",),
+    "CPU greedy sampling kernel", ("greedy_argmax",), cflags=("-O3", "-fopenmp"))
+
 EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM,
-                                           MOE_EXPERTS)
+                                           MOE_EXPERTS, SAMPLING)
 # What every source above includes: --check-builds precompiles it once per tier
 PRELUDE = ("ATen/ATen.h",)
 

@@ -36,6 +36,7 @@ class DecodeRows:
     # the sampler takes the argmax of the batch and nothing else.
     plain_sampling: bool
     any_spec: bool  # some request may draft (speculative decoding or a prediction)
+    any_logprobs: bool  # some request asks for logprobs (else a step's are all None)
     # The next step may be scheduled and launched before this one's tokens reach the host
     # (overlap scheduling): no request's sampling or drafting reads host state this step's
     # token changes (grammar, penalties, min_tokens, seed, logprobs, drafts).
@@ -66,6 +67,7 @@ def build_rows(reqs: list[Req], version: int, eos_ids: frozenset[int],
                            and q.min_tokens == 0 and q.logprobs is None
                            and r.grammar is None for q, r in zip(p, reqs, strict=True)),
         any_spec=any(r.spec is not None for r in reqs),
+        any_logprobs=any(q.logprobs is not None for q in p),
         overlap_ok=all(r.grammar is None and r.spec is None and not q.needs_penalties
                        and q.min_tokens == 0 and q.seed is None and q.logprobs is None
                        and r.params.constraint is None for q, r in zip(p, reqs, strict=True)),

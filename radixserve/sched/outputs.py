@@ -85,7 +85,8 @@ def _decode_outputs(s: Scheduler, batch: Batch, token_ids: list[int],
     # After this step request i holds positions[i] + 2 tokens (its last one had no KV).
     full = (np.isin(tokens, rows.stop_ids) | rows.exact
             | (np.asarray(batch.positions, dtype=np.int64) + 2 >= rows.limits))  # (B,)
-    if logprobs is None and rows.version == s.running_version:
+    # (the sampler hands a list of Nones where no request asks for logprobs)
+    if (logprobs is None or not rows.any_logprobs) and rows.version == s.running_version:
         return _live_outputs(s, rows, token_ids, full, advanced)
     outputs: list[TokenOutput] = []
     lps = logprobs if logprobs is not None else [None] * len(token_ids)

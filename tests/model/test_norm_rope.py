@@ -51,14 +51,47 @@ def test_rms_norm_fp32_matches_hf_order_to_a_few_ulps(rows: int, hidden: int) ->
     out = native_rms_norm(x, w, 1e-5)
     ref = rms_norm_reference(x, w, 1e-5)
     assert out.dtype == torch.float32 and out.shape == (rows, hidden)
-    # the model keeps torch's exact form in fp32
+    # the model's fp32 norm adds the squares in torch's order: its exact result
     assert torch.equal(native().rms_norm(x, w, 1e-5), ref)
-    # only the sum of squares is added in another order: a few ulps at most (the portable
-    # tier's 4-lane SSE2 sum drifts further over 4096 squares; the fp32 model never uses it)
+    # the op's own order (lanes=0): only the sum of squares is added in another order, a few
+    # ulps at most (the portable tier's 4-lane SSE2 sum drifts further over 4096 squares)
     portable = os.environ.get("RADIXSERVE_CPU_ISA") == "portable"
     assert torch.allclose(out, ref, rtol=4e-6 if portable else 5e-7, atol=0)
     exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w
     assert (out.double() - exact).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 100, 576, 2048, 5120])
+def test_fp32_rms_norm_is_native_and_bit_identical_to_torch(hidden: int,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """fp32 runs the native op with torch's order of the sum of squares (the lanes found
+    against the reference at the first call), not the torch ops: equal bit for bit, on
+    contiguous and strided rows, at 1 row and many."""
+    ops = native()
+    gen = torch.Generator().manual_seed(hidden)
+    big = torch.randn(300, hidden + 8, generator=gen) * (torch.rand(300, 1, generator=gen) * 20)
+    w = torch.rand(hidden, generator=gen) + 0.5
+    cases = [big[:, :hidden].contiguous(), big[:, 8:], big[:1, :hidden].contiguous()]
+    refs = [rms_norm_reference(x, w, 1e-6) for x in cases]
+    ops.rms_norm(cases[0], w, 1e-6)  # finds the lanes (it runs the reference to compare)
+
+    def no_torch_form(*args: object) -> torch.Tensor:
+        raise AssertionError("fp32 RMSNorm ran the torch ops")
+
+    monkeypatch.setattr(norm_rope, "rms_norm_reference", no_torch_form)
+    for x, ref in zip(cases, refs, strict=True):
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), ref)
+
+
+def test_fp32_rms_norm_keeps_torch_when_no_order_matches(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setattr(norm_rope, "LANE_CANDIDATES", (4,))  # not torch's order here
+    ops = load_norm_rope(CPU)
+    x, w = torch.randn(5, 64), torch.rand(64) + 0.5
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    assert isinstance(ops.rms_norm, norm_rope.NativeRmsNorm)
+    assert ops.rms_norm._lanes == {64: None}
 
 
 def test_rms_norm_bf16_matches_its_reference() -> None:
@@ -119,6 +152,12 @@ def test_input_checks() -> None:
         rms(torch.randn(2, 8), torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         rms(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
+    loaded = load_extension(NORM_ROPE)
+    assert loaded is not None
+    with pytest.raises(RuntimeError, match="lanes"):
+        loaded.op("rms_norm")(torch.randn(2, 8).bfloat16(), torch.ones(8).bfloat16(), 1e-5, 8)
+    with pytest.raises(RuntimeError, match="lanes"):
+        loaded.op("rms_norm")(torch.randn(2, 8), torch.ones(8), 1e-5, 5)
     cos = torch.ones(3, 64)
     with pytest.raises(RuntimeError, match="too narrow"):
         ops.rope_qk(torch.randn(3, 128), cos, cos, 3)

@@ -4,6 +4,7 @@ of the running set (DecodeRows), and the vectorized stop test against the full r
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,6 +113,37 @@ def test_vectorized_stop_test_equals_the_full_rule(monkeypatch: pytest.MonkeyPat
     assert reasons == {FinishReason.STOP, FinishReason.LENGTH}
     for rid, tokens in got.items():
         assert tokens == wants[rid][: len(tokens)]
+
+
+def test_a_step_without_logprobs_takes_the_vectorized_path(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The sampler hands a list of Nones when no request asks for logprobs (as the engine
+    passes it on): that is the vectorized path too, with the same outputs."""
+    from radixserve.sched import outputs
+
+    calls = {"n": 0}
+    live = outputs._live_outputs
+
+    def counted(*args: Any) -> list[TokenOutput]:
+        calls["n"] += 1
+        return live(*args)
+
+    monkeypatch.setattr(outputs, "_live_outputs", counted)
+    logs: list[list[TokenOutput]] = []
+    for with_nones in (False, True):
+        s = wide_scheduler(16)
+        add_mixed_stops(s)
+        log: list[TokenOutput] = []
+        plain = 0
+        while s.has_work():
+            batch = s.schedule()
+            assert batch is not None
+            tokens = fake_run(batch)
+            plain += batch.rows is not None
+            log += s.process_outputs(batch, tokens, [None] * len(tokens) if with_nones else None)
+        logs.append(log)
+    assert calls["n"] == 2 * plain > 0
+    assert logs[0] == logs[1]
 
 
 def test_decode_rows_persist_until_the_running_set_changes() -> None:

@@ -6,6 +6,9 @@
 - `check=False` skips the wrapper's checks (the model's later layers) and the backend asks the
   device's SM count once, not per layer.
 - A bucket whose capture raises a Triton error is left to run eagerly; the others are captured.
+- The fused MoE's pair count (tokens * top-k) is a runtime argument, unspecialized: its two
+  kernels compile one variant for every batch size (counted by Triton's own specialization
+  keys, variants.py), and stay exact under the interpreter at each.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ import radixserve.attention.triton_backend as tb
 from radixserve.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.cuda_graph import capture_each
 from radixserve.engine.graph_inputs import GraphKey, GraphKind
-from tests.triton_kernels.test_kernels import DEVICE, make_cache, make_paged, randn
+from tests.triton_kernels.test_fused_moe import _case
+from tests.triton_kernels.test_kernels import DEVICE, DEVICE_ERROR, make_cache, make_paged, randn
+from tests.triton_kernels.variants import VariantRecorder
+from triton_kernels.reference import fused_moe_ref
 
 # The package exports the function under the module's name: reach the module itself.
 dec = importlib.import_module("triton_kernels.decode_attention")
+moe = importlib.import_module("triton_kernels.fused_moe")
 
 
 class RecordingKernel:
@@ -54,6 +61,23 @@ def test_decode_compiles_one_variant_for_every_batch_size(monkeypatch: pytest.Mo
         splits.add(dec.splits_for(batch, 2, 132))
     assert len(splits) > 1  # the split count follows the batch size ...
     assert len(split_keys) == 1 and len(merge_keys) == 1  # ... one compiled variant each
+
+
+def test_fused_moe_compiles_one_variant_for_every_batch_size(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    if DEVICE_ERROR:
+        pytest.fail(DEVICE_ERROR, pytrace=False)
+    recorders = [VariantRecorder(moe._gate_up_kernel), VariantRecorder(moe._down_kernel)]
+    monkeypatch.setattr(moe, "_gate_up_kernel", recorders[0])
+    monkeypatch.setattr(moe, "_down_kernel", recorders[1])
+    monkeypatch.setattr(moe, "check_launchable", lambda kernel, device: None)
+    # pair counts 2, 4, 6, 10, 16 (a multiple of 16: Triton's default specializes on it), 26, 48
+    for tokens in (1, 2, 3, 5, 8, 13, 24):
+        x, w, ids, gate_up, down = _case(tokens, 64, 32, 8, 2, torch.float32, seed=tokens)
+        out = moe.fused_moe(x, w, ids, gate_up, down)
+        torch.testing.assert_close(out, fused_moe_ref(x, w, ids, gate_up, down),
+                                   rtol=1e-5, atol=1e-5)
+    assert [len(r.keys) for r in recorders] == [1, 1]
 
 
 def test_the_sm_count_is_asked_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,3 +138,13 @@ def test_eager_decode_compiles_once_across_batch_sizes_on_cuda() -> None:
     assert cache is not None
     (kernels, *_), = cache.values()
     assert len(kernels) == 1
+
+
+@pytest.mark.gpu
+def test_eager_fused_moe_compiles_once_across_batch_sizes_on_cuda() -> None:
+    dev = torch.device("cuda")
+    for tokens in (1, 2, 3, 5, 8, 13, 24):
+        moe.fused_moe(*(t.to(dev) for t in _case(tokens, 64, 32, 8, 2, torch.bfloat16)))
+    for kernel in (moe._gate_up_kernel, moe._down_kernel):
+        (kernels, *_), = kernel.device_caches.values()
+        assert len(kernels) == 1

@@ -51,7 +51,9 @@ inline bool is_fp8(at::ScalarType t) {
 }
 
 // Scores of every query head of a request over its `len` positions, into sc (hq, len): one
-// walk over the keys, each slot's row (all KV heads, contiguous) read once for all heads. D
+// walk over the keys, each slot's row (all KV heads, contiguous) read once for all heads, KV
+// head by KV head and its GQA group's query heads under it (no h / group per key and head:
+// an integer division cost more than a 16-wide dot product). D
 // is compile-time (D = 0: the generic instance for other head dims) so that each
 // dot product is a fixed run of vector FMAs and one horizontal sum.
 #if RS_DECODE_BF16_DOT
@@ -67,14 +69,16 @@ void scores_dot(const bf16_t* q, const bf16_t* k, const Geometry& g, const int32
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(k, slots[t + kPrefetchAhead], stride, row);
     const bf16_t* kr = k + slots[t] * g.sk;
-    for (int64_t h = 0; h < g.hq; ++h) {
-      const bf16_t* qh = q + h * D;
-      const bf16_t* kh = kr + (h / group) * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t e = 0; e < D; e += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + e),
-                               (__m512bh)_mm512_loadu_si512(kh + e));
-      sc[h * len + t] = _mm512_reduce_add_ps(acc) * g.scale;
+    for (int64_t j = 0, h = 0; j < g.hkv; ++j) {
+      const bf16_t* kh = kr + j * D;
+      for (int64_t i = 0; i < group; ++i, ++h) {
+        const bf16_t* qh = q + h * D;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t e = 0; e < D; e += 32)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + e),
+                                 (__m512bh)_mm512_loadu_si512(kh + e));
+        sc[h * len + t] = _mm512_reduce_add_ps(acc) * g.scale;
+      }
     }
   }
 }
@@ -95,13 +99,15 @@ void scores(const T* q, const T* k, const Geometry& g, const int32_t* slots, int
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(k, slots[t + kPrefetchAhead], stride, row);
     const T* kr = k + slots[t] * g.sk;
-    for (int64_t h = 0; h < g.hq; ++h) {
-      const float* qh = qf + h * d;
-      const T* kh = kr + (h / group) * d;
-      float s = 0.f;
+    for (int64_t j = 0, h = 0; j < g.hkv; ++j) {
+      const T* kh = kr + j * d;
+      for (int64_t i = 0; i < group; ++i, ++h) {
+        const float* qh = qf + h * d;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t e = 0; e < d; ++e) s += qh[e] * ld(kh, e);
-      sc[h * len + t] = s;
+        for (int64_t e = 0; e < d; ++e) s += qh[e] * ld(kh, e);
+        sc[h * len + t] = s;
+      }
     }
   }
 }
@@ -126,12 +132,14 @@ void decode_one(const T* q, const T* k, const T* v, const Geometry& g, const int
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetchAhead < len) prefetch_row(v, slots[t + kPrefetchAhead], stride, row);
     const T* vr = v + slots[t] * g.sv;
-    for (int64_t h = 0; h < g.hq; ++h) {
-      const float p = sc[h * len + t];
-      const T* vh = vr + (h / group) * d;
-      float* a = acc + h * d;
+    for (int64_t j = 0, h = 0; j < g.hkv; ++j) {
+      const T* vh = vr + j * d;
+      for (int64_t i = 0; i < group; ++i, ++h) {
+        const float p = sc[h * len + t];
+        float* a = acc + h * d;
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) a[e] += p * ld(vh, e);
+        for (int64_t e = 0; e < d; ++e) a[e] += p * ld(vh, e);
+      }
     }
   }
   for (int64_t i = 0; i < g.hq * d; ++i) st(out, i, acc[i]);
@@ -209,6 +217,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
     case 64: by_dtype(std::integral_constant<int64_t, 64>{}); break;
     case 128: by_dtype(std::integral_constant<int64_t, 128>{}); break;
     case 32: by_dtype(std::integral_constant<int64_t, 32>{}); break;
+    // small models' heads: the generic loops' per-dot overhead (a runtime trip count, its
+    // peel and remainder) cost more than their 16 products
+    case 16: by_dtype(std::integral_constant<int64_t, 16>{}); break;
     default: by_dtype(std::integral_constant<int64_t, 0>{});  // any other head_dim
   }
   return {out, lse};

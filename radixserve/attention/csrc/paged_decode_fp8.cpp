@@ -47,25 +47,29 @@ void decode_one_fp8(const T* q, const uint8_t* k, const uint8_t* v, const Geomet
     for (int64_t e = 0; e < d; ++e) qf[h * d + e] = ld(q, h * d + e) * g.scale * k_scale[h / group];
   for (int64_t t = 0; t < len; ++t) {
     radixserve_fp8::row_to_float<F>(k + slots[t] * g.sk, row, rf);
-    for (int64_t h = 0; h < g.hq; ++h) {
-      const float* qh = qf + h * d;
-      const float* kh = rf + (h / group) * d;
-      float s = 0.f;
+    for (int64_t j = 0, h = 0; j < g.hkv; ++j) {  // KV head, then its group: no h / group
+      const float* kh = rf + j * d;
+      for (int64_t i = 0; i < group; ++i, ++h) {
+        const float* qh = qf + h * d;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t e = 0; e < d; ++e) s += qh[e] * kh[e];
-      sc[h * len + t] = s;
+        for (int64_t e = 0; e < d; ++e) s += qh[e] * kh[e];
+        sc[h * len + t] = s;
+      }
     }
   }
   for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
   std::fill(acc, acc + g.hq * d, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     radixserve_fp8::row_to_float<F>(v + slots[t] * g.sv, row, rf);
-    for (int64_t h = 0; h < g.hq; ++h) {
-      const float p = sc[h * len + t];
-      const float* vh = rf + (h / group) * d;
-      float* a = acc + h * d;
+    for (int64_t j = 0, h = 0; j < g.hkv; ++j) {
+      const float* vh = rf + j * d;
+      for (int64_t i = 0; i < group; ++i, ++h) {
+        const float p = sc[h * len + t];
+        float* a = acc + h * d;
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) a[e] += p * vh[e];
+        for (int64_t e = 0; e < d; ++e) a[e] += p * vh[e];
+      }
     }
   }
   for (int64_t h = 0; h < g.hq; ++h)

@@ -8,12 +8,15 @@
 //
 // Numerics: the same operations in the same order as the torch code, each product rounded on
 // its own (this file builds without -ffast-math and with -ffp-contract=off: no FMA
-// contraction), so rope_qk is bit-identical to it and rms_norm differs only in the order of
-// its sum of squares (vectorized here, another tree in torch).
+// contraction), so rope_qk is bit-identical to it; rms_norm too in fp32 with `lanes` set
+// (its sum of squares added in the order torch's CPU sum kernel adds a row), else it differs
+// only in the order of that sum (vectorized here, another tree in torch).
 //
 // rms_norm: x (T, H) with H contiguous, w (H,), fp32 or bf16 (both the same dtype).
 //   fp32 (HF's order): out = w * (x * (1 / sqrt(sum(x^2) / H + eps)))
 //   bf16: the sum in fp32, then out = bf16(bf16(x * r) * w)
+//   lanes (fp32 only): 0, this file's own order of the sum; 4, 8 or 16, torch's for its
+//   Vectorized<float> of that many lanes (norm_rope.py finds the one that matches torch).
 // rope_qk: qkv (T, W) with W contiguous, its first n_heads * D columns the q and k heads;
 //   cos, sin (T, D) (sin with its first half negated, see model/rope.py); out (T, n_heads, D)
 //   contiguous: out[t, h, e] = x[e] * cos[t, e] + x[(e + D / 2) % D] * sin[t, e].
@@ -21,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -54,18 +58,82 @@ void with_dtype(at::ScalarType t, const F& run) {
 
 constexpr int64_t GRAIN = 16;  // rows per parallel task: a few KB each, enough to amortize
 
+// torch's utils::CeilLog2: ceil(log2(x)), and 1 for x <= 2
+inline int64_t ceil_log2(int64_t x) {
+  return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// The sum of squares of a contiguous fp32 row of h, added in the order of torch's CPU sum
+// over a contiguous last dimension (ATen's cascade_sum -> vectorized_inner_sum) for its
+// Vectorized<float> of L lanes, so that `x.pow(2).mean(-1)` is matched bit for bit: the row as
+// whole vectors, read in groups of 4 into 4 running vector sums (ILP), each step of
+// 2^power groups cascaded into 3 higher levels (a pairwise-like tree that keeps the
+// magnitudes added alike); then the levels, the vectors past the last whole group (into the
+// first sum), the other 3 sums into the first; then the scalar tail's squares in order and
+// the L lanes one by one. Every add is lane-wise or scalar, so the compiler's vectorizing of
+// the lane loops changes no result.
+template <int L>
+float sum_squares_torch_order(const float* x, int64_t h) {
+  constexpr int kRows = 4, kLevels = 4;
+  const int64_t vecs = h / L, groups = vecs / kRows;
+  float acc[kLevels][kRows][L] = {};
+  auto add_group = [x](float (&a)[kRows][L], int64_t g) {
+    const float* p = x + g * kRows * L;
+    for (int r = 0; r < kRows; ++r)
+      for (int l = 0; l < L; ++l) a[r][l] += p[r * L + l] * p[r * L + l];
+  };
+  const int64_t power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);
+  const int64_t step = int64_t{1} << power, mask = step - 1;
+  int64_t g = 0;
+  while (g + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++g) add_group(acc[0], g);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < L; ++l) {
+          acc[j][r][l] += acc[j - 1][r][l];
+          acc[j - 1][r][l] = 0.f;
+        }
+      if ((g & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; g < groups; ++g) add_group(acc[0], g);
+  for (int j = 1; j < kLevels; ++j)
+    for (int r = 0; r < kRows; ++r)
+      for (int l = 0; l < L; ++l) acc[0][r][l] += acc[j][r][l];
+  for (int64_t v = groups * kRows; v < vecs; ++v)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += x[v * L + l] * x[v * L + l];
+  for (int r = 1; r < kRows; ++r)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][r][l];
+  float s = 0.f;
+  for (int64_t e = vecs * L; e < h; ++e) s += x[e] * x[e];
+  for (int l = 0; l < L; ++l) s += acc[0][0][l];
+  return s;
+}
+
+// The row's sum of squares: in torch's order for `lanes` lanes (fp32), or vectorized here (0).
+template <typename T>
+float sum_squares(const T* xr, int64_t h, int64_t lanes) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (lanes == 16) return sum_squares_torch_order<16>(xr, h);
+    if (lanes == 8) return sum_squares_torch_order<8>(xr, h);
+    if (lanes == 4) return sum_squares_torch_order<4>(xr, h);
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t e = 0; e < h; ++e) {
+    const float v = ld(xr, e);
+    ss += v * v;
+  }
+  return ss;
+}
+
 template <typename T>
 void rms_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows_begin, int64_t rows_end,
-              int64_t h, float eps) {
+              int64_t h, float eps, int64_t lanes) {
   for (int64_t t = rows_begin; t < rows_end; ++t) {
     const T* xr = x + t * sx;
     T* o = out + t * h;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t e = 0; e < h; ++e) {
-      const float v = ld(xr, e);
-      ss += v * v;
-    }
+    const float ss = sum_squares<T>(xr, h, lanes);
     const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
     // x * r is rounded (to T) before the weight's product, as in the torch code
 #pragma omp simd
@@ -73,11 +141,14 @@ void rms_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows_begin, in
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t lanes) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "x (T, H), w (H,)");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
   TORCH_CHECK(x.stride(1) == 1, "x's rows must be contiguous");
+  TORCH_CHECK(lanes == 0 || ((lanes == 4 || lanes == 8 || lanes == 16) &&
+                             x.scalar_type() == at::kFloat),
+              "lanes: 0, or 4, 8 or 16 for float32");
   const at::Tensor wc = w.contiguous();
   const int64_t n = x.size(0), h = x.size(1);
   at::Tensor out = at::empty({n, h}, x.options());
@@ -87,7 +158,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     const T* wp = static_cast<const T*>(wc.data_ptr());
     T* op = static_cast<T*>(out.data_ptr());
     at::parallel_for(0, n, GRAIN, [&](int64_t b, int64_t e) {
-      rms_rows<T>(xp, x.stride(0), wp, op, b, e, h, static_cast<float>(eps));
+      rms_rows<T>(xp, x.stride(0), wp, op, b, e, h, static_cast<float>(eps), lanes);
     });
   };
   with_dtype(x.scalar_type(), run);
@@ -151,7 +222,7 @@ at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
 #define RADIXSERVE_OPS_NS radixserve
 #endif
 TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, int lanes=0) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
 }
 
