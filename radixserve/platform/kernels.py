@@ -72,8 +72,14 @@ MOE_EXPERTS = NativeExtension(
     "radixserve_moe_experts", (_MODEL / "moe" / "moe_experts.cpp",), "CPU mixture-of-experts kernel",
     ("moe_experts",), header_dirs=(_ATTN,))  # bf16_access.h, vec_math.h
 
+# No -ffast-math: each output's sum is in the order written, the same for every batch size
+SKINNY_GEMM = NativeExtension(
+    "radixserve_skinny_gemm", (_MODEL / "skinny_gemm.cpp",), "CPU skinny (decode) GEMM kernel",
+    ("skinny_linear",), cflags=("-O3", "-fopenmp", "-ffp-contract=off"),
+    header_dirs=(_ATTN,))  # bf16_access.h
+
 EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM,
-                                           MOE_EXPERTS)
+                                           MOE_EXPERTS, SKINNY_GEMM)
 # What every source above includes: --check-builds precompiles it once per tier
 PRELUDE = ("ATen/ATen.h",)
 

@@ -1,0 +1,168 @@
+// The skinny GEMM for decode steps on CPU: y (M, N) = x (M, K) @ W.T (+ bias) (+ residual), or
+// the gated form silu(x @ W.T) * (x @ U.T), for a few rows of x (M up to
+// radixserve/model/skinny_kernel.py's bound; any M is computed, just not fast). A decode step
+// reads every weight once, so the kernel's job is to stream W at the memory's bandwidth: the
+// threads split the output channels into contiguous ranges (each thread reads its own part of
+// W, front to back), a tile of 4 weight rows is read once and multiplied with every row of x
+// (skinny_gemm.h), and the epilogue (bias, residual, silu * up, the rounding to x's dtype)
+// runs on the tile's fp32 sums before they are stored: the output is written once.
+//
+// Numerics: fp32 accumulation; x float32 or bfloat16 (widened to fp32), W float32 or bfloat16,
+// bias in W's dtype, residual and y in x's dtype; y[m, n] rounded once from fp32 (bf16: to
+// nearest even). Every y[m, n] is computed the same way whatever M is (skinny_gemm.h).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../../attention/csrc/bf16_access.h"
+#include "skinny_gemm.h"
+
+namespace {
+
+using radixserve_bf16::ld;
+using radixserve_bf16::st;
+using radixserve_skinny::bf16_t;
+using radixserve_skinny::dot_rows;
+using radixserve_skinny::R;
+
+constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes per parallel task at least
+
+// One call's operands, as raw pointers (W and U of type Wt; x, residual and y of type Xt).
+template <typename Wt, typename Xt>
+struct Call {
+  const float* x;  // (M, ldx) fp32, zero padded past K
+  int64_t M, K, ldx, N;  // N: output columns
+  const Wt* w;
+  const Wt* up;    // nullptr unless gated
+  const Wt* bias;  // nullptr or (N,)
+  const Xt* res;   // nullptr or (M, N)
+  Xt* y;           // (M, N)
+};
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// Output columns [n0, n0 + R) (the last tile's rows past N repeat row N - 1, unstored).
+template <typename Wt, typename Xt>
+void tile(const Call<Wt, Xt>& c, int64_t n0) {
+  const Wt* rows[R];
+  const Wt* urows[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = std::min(n0 + r, c.N - 1);
+    rows[r] = c.w + n * c.K;
+    urows[r] = c.up == nullptr ? nullptr : c.up + n * c.K;
+  }
+  float acc[R * 8], uacc[R * 8];  // [r * M + m], M <= 8 per pass
+  for (int64_t m0 = 0; m0 < c.M; m0 += 8) {
+    const int64_t mr = std::min<int64_t>(8, c.M - m0);
+    const float* xm = c.x + m0 * c.ldx;
+    dot_rows(rows, c.K, xm, c.ldx, mr, acc);
+    if (c.up != nullptr) dot_rows(urows, c.K, xm, c.ldx, mr, uacc);
+    for (int r = 0; r < R && n0 + r < c.N; ++r) {
+      const int64_t n = n0 + r;
+      const float b = c.bias == nullptr ? 0.f : ld(c.bias, n);
+      for (int64_t m = 0; m < mr; ++m) {
+        const int64_t at = (m0 + m) * c.N + n;
+        float v = acc[r * mr + m];
+        if (c.up != nullptr) {
+          v = silu(v) * uacc[r * mr + m];
+        } else {
+          v += b;
+          if (c.res != nullptr) v += ld(c.res, at);
+        }
+        st(c.y, at, v);
+      }
+    }
+  }
+}
+
+template <typename Wt, typename Xt>
+void run(const Call<Wt, Xt>& c) {
+  const int64_t tiles = (c.N + R - 1) / R;
+  const int64_t tile_bytes = R * c.K * static_cast<int64_t>(sizeof(Wt)) * (c.up ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, tile_bytes));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tile(c, t * R);
+  });
+}
+
+// x (M, K) -> (M, ldx) fp32, zero padded.
+std::vector<float> widen_x(const at::Tensor& x, int64_t ldx) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> xp(M * ldx, 0.f);
+  if (x.scalar_type() == at::kFloat) {
+    const float* src = x.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::copy(src + m * K, src + (m + 1) * K, xp.data() + m * ldx);
+  } else {
+    const auto* src = reinterpret_cast<const bf16_t*>(x.data_ptr());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xp[m * ldx + k] = ld(src, m * K + k);
+  }
+  return xp;
+}
+
+template <typename Wt, typename Xt>
+void dispatch(const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+              const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& up,
+              const std::vector<float>& xp, int64_t M, int64_t K, int64_t ldx, at::Tensor& y) {
+  const auto wp = [](const at::Tensor& t) { return reinterpret_cast<const Wt*>(t.data_ptr()); };
+  const Call<Wt, Xt> c{xp.data(), M, K, ldx, y.size(1), wp(w),
+                       up ? wp(*up) : nullptr, bias ? wp(*bias) : nullptr,
+                       residual ? reinterpret_cast<const Xt*>(residual->data_ptr()) : nullptr,
+                       reinterpret_cast<Xt*>(y.data_ptr())};
+  run(c);
+}
+
+at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& w,
+                         const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& residual,
+                         const c10::optional<at::Tensor>& up) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1),
+              "x (M, K) and w (N, K)");
+  const auto wt = w.scalar_type(), xt = x_in.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "w: float32 or bfloat16");
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16, "x: float32 or bfloat16");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  const int64_t M = x_in.size(0), K = w.size(1), N = w.size(0);
+  if (up) {
+    TORCH_CHECK(up->sizes() == w.sizes() && up->scalar_type() == wt && up->is_contiguous(),
+                "up must be shaped as w, same dtype, contiguous");
+    TORCH_CHECK(!bias && !residual, "the gated form takes no bias or residual");
+  }
+  if (bias)
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == wt && bias->is_contiguous(),
+                "bias: (N,) in w's dtype");
+  if (residual)
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
+                residual->scalar_type() == xt && residual->is_contiguous(),
+                "residual: (M, N) contiguous in x's dtype");
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0 || N == 0) return y;
+  const at::Tensor x = x_in.contiguous();
+  const int64_t ldx = (K + radixserve_skinny::kXPad - 1) / radixserve_skinny::kXPad *
+                      radixserve_skinny::kXPad;
+  const std::vector<float> xp = widen_x(x, ldx);
+  const bool wf = wt == at::kFloat, xf = xt == at::kFloat;
+  if (wf && xf) dispatch<float, float>(w, bias, residual, up, xp, M, K, ldx, y);
+  else if (wf) dispatch<float, bf16_t>(w, bias, residual, up, xp, M, K, ldx, y);
+  else if (xf) dispatch<bf16_t, float>(w, bias, residual, up, xp, M, K, ldx, y);
+  else dispatch<bf16_t, bf16_t>(w, bias, residual, up, xp, M, K, ldx, y);
+  return y;
+}
+
+}  // namespace
+
+// A fragment in the tier's namespace (platform/kernels.py defines RADIXSERVE_OPS_NS per build).
+#ifndef RADIXSERVE_OPS_NS
+#define RADIXSERVE_OPS_NS radixserve
+#endif
+TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual, Tensor? up) -> "
+        "Tensor");
+}
+
+TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
