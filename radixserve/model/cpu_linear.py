@@ -1,11 +1,13 @@
-"""Linear layers in the layout the device's fastest kernel wants: oneDNN-prepacked on CPU.
+"""Linear layers in the layouts the device's fastest kernels want: on CPU ours or oneDNN's.
 
-Owns: `Linear` (y = x @ W.T + bias, optionally plus a residual), `GatedMLP` (SwiGLU with the
-residual add), the choice between oneDNN's prepacked weights and plain `F.linear`, and
+Owns: `Linear` (y = x @ W.T + bias, optionally plus a residual), `GateUp` (SwiGLU's gate and
+up with the silu and product fused), `GatedMLP` (SwiGLU with the residual add, MoE's shared
+expert), the choice between the skinny op, oneDNN's prepacked weights and plain `F.linear`, and
 `make_linear`, which also hands out quant.py's Int8Linear. Does not know: the model's layers
 (llama.py), configs, attention.
 
-Prepacked (CPU, fp32 or bf16 where oneDNN has it): every weight is reordered once, at load,
+Prepacked (CPU, fp32 or bf16 where oneDNN has it, when the skinny op below is unavailable: its
+build failed, or RADIXSERVE_NO_CPU_KERNELS=1): every weight is reordered once, at load,
 into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and multiplied with
 `mkldnn._linear_pointwise`, whose epilogues also fuse SwiGLU's silu and product and the
 residual adds. The packed tensor replaces the plain weight: one copy in memory. It is
