@@ -2,10 +2,10 @@
 // the gated form silu(x @ W.T) * (x @ U.T), for a few rows of x (M up to
 // radixserve/model/skinny_kernel.py's bound; any M is computed, just not fast). A decode step
 // reads every weight once, so the kernel's job is to stream W at the memory's bandwidth: the
-// threads split the output channels into contiguous ranges (each thread reads its own part of
-// W, front to back), a tile of 4 weight rows is read once and multiplied with every row of x
-// (skinny_gemm.h), and the epilogue (bias, residual, silu * up, the rounding to x's dtype)
-// runs on the tile's fp32 sums before they are stored: the output is written once.
+// threads split the output channels into contiguous ranges, each thread reads its part of W
+// row after row, front to back, each row once for every row of x (skinny_gemm.h), and the
+// epilogue (bias, residual, silu * up, the rounding to x's dtype) runs on the fp32 sums before
+// they are stored: the output is written once.
 //
 // Numerics: fp32 accumulation; x float32 or bfloat16 (widened to fp32), W float32 or bfloat16,
 // bias in W's dtype, residual and y in x's dtype; y[m, n] rounded once from fp32 (bf16: to
@@ -28,7 +28,6 @@ using radixserve_bf16::ld;
 using radixserve_bf16::st;
 using radixserve_skinny::bf16_t;
 using radixserve_skinny::dot_rows;
-using radixserve_skinny::R;
 
 constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes per parallel task at least
 
@@ -46,47 +45,38 @@ struct Call {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// Output columns [n0, n0 + R) (the last tile's rows past N repeat row N - 1, unstored).
+// Output columns [n0, n1): their weight rows (then up's: each a stream front to back) against
+// every row of x into acc / uacc ((n1 - n0, M)), then the epilogue.
 template <typename Wt, typename Xt>
-void tile(const Call<Wt, Xt>& c, int64_t n0) {
-  const Wt* rows[R];
-  const Wt* urows[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = std::min(n0 + r, c.N - 1);
-    rows[r] = c.w + n * c.K;
-    urows[r] = c.up == nullptr ? nullptr : c.up + n * c.K;
-  }
-  float acc[R * 8], uacc[R * 8];  // [r * M + m], M <= 8 per pass
-  for (int64_t m0 = 0; m0 < c.M; m0 += 8) {
-    const int64_t mr = std::min<int64_t>(8, c.M - m0);
-    const float* xm = c.x + m0 * c.ldx;
-    dot_rows(rows, c.K, xm, c.ldx, mr, acc);
-    if (c.up != nullptr) dot_rows(urows, c.K, xm, c.ldx, mr, uacc);
-    for (int r = 0; r < R && n0 + r < c.N; ++r) {
-      const int64_t n = n0 + r;
-      const float b = c.bias == nullptr ? 0.f : ld(c.bias, n);
-      for (int64_t m = 0; m < mr; ++m) {
-        const int64_t at = (m0 + m) * c.N + n;
-        float v = acc[r * mr + m];
-        if (c.up != nullptr) {
-          v = silu(v) * uacc[r * mr + m];
-        } else {
-          v += b;
-          if (c.res != nullptr) v += ld(c.res, at);
-        }
-        st(c.y, at, v);
+void columns(const Call<Wt, Xt>& c, int64_t n0, int64_t n1, float* acc, float* uacc) {
+  for (int64_t n = n0; n < n1; ++n)
+    dot_rows(c.w + n * c.K, c.K, c.x, c.ldx, c.M, acc + (n - n0) * c.M);
+  if (c.up != nullptr)
+    for (int64_t n = n0; n < n1; ++n)
+      dot_rows(c.up + n * c.K, c.K, c.x, c.ldx, c.M, uacc + (n - n0) * c.M);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float b = c.bias == nullptr ? 0.f : ld(c.bias, n);
+    for (int64_t m = 0; m < c.M; ++m) {
+      const int64_t at = m * c.N + n;
+      float v = acc[(n - n0) * c.M + m];
+      if (c.up != nullptr) {
+        v = silu(v) * uacc[(n - n0) * c.M + m];
+      } else {
+        v += b;
+        if (c.res != nullptr) v += ld(c.res, at);
       }
+      st(c.y, at, v);
     }
   }
 }
 
 template <typename Wt, typename Xt>
 void run(const Call<Wt, Xt>& c) {
-  const int64_t tiles = (c.N + R - 1) / R;
-  const int64_t tile_bytes = R * c.K * static_cast<int64_t>(sizeof(Wt)) * (c.up ? 2 : 1);
-  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, tile_bytes));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) tile(c, t * R);
+  const int64_t row_bytes = c.K * static_cast<int64_t>(sizeof(Wt)) * (c.up ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, row_bytes));
+  at::parallel_for(0, c.N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> acc((c.up ? 2 : 1) * (n1 - n0) * c.M);
+    columns(c, n0, n1, acc.data(), acc.data() + (n1 - n0) * c.M);
   });
 }
 
