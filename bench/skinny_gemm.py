@@ -7,12 +7,14 @@ Per row count M: ms per pass over the stack and the weights' GB/s, for
 - skinny: model/skinny_kernel.py's op (the gate and up pair as its gated form),
 - onednn packed: `mkldnn._linear_pointwise` on weights reordered once (`_reorder_linear_weight`,
   the path before the skinny op),
-- onednn plain: `_linear_pointwise` on the plain weights (the prefill path beside the op).
+- onednn plain: `_linear_pointwise` on the plain weights (the prefill path beside the op),
+- F.linear: torch's GEMM on the plain weights (the path where oneDNN lacks the dtype).
 Each tier runs in its own process with $RADIXSERVE_CPU_ISA and oneDNN's / ATen's dispatch
 capped alike (bench/decode_floor.py's caps); the variants alternate within each round.
 
     python -m bench.skinny_gemm --num-threads 2 --tiers avx2,avx512,avx512_bf16
     python -m bench.skinny_gemm --rows 1,8,16,128,512 --dtypes bfloat16
+    python -m bench.skinny_gemm --num-threads 1 --clock cpu   # on a shared, loaded machine
 
 Does not know: the engine (bench/decode_floor.py measures whole decode steps).
 """
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from bench.decode_floor import ATEN_ISA, ONEDNN_ISA
 from radixserve.model.skinny_kernel import load_skinny_linear
@@ -67,7 +70,14 @@ def variants(layers: list[dict[str, torch.Tensor]]) -> dict[str, Callable[[torch
         return run
 
     assert hidden == SHAPES["down"][0] and inter == SHAPES["down"][1]
-    out = {"skinny": skinny, "onednn plain": onednn(layers)}
+    def torch_linear(x: torch.Tensor) -> None:
+        for w in layers:
+            F.linear(x, w["qkv"])
+            x + F.linear(x, w["o"])
+            act = F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"])
+            x + F.linear(act, w["down"])
+
+    out = {"skinny": skinny, "onednn plain": onednn(layers), "F.linear": torch_linear}
     return out if not packed else {**out, "onednn packed": onednn(packed)}
 
 
@@ -87,11 +97,12 @@ def worker(args: argparse.Namespace) -> None:
                 fn(x)  # warm up (oneDNN creates its primitives)
             except RuntimeError:  # oneDNN without this dtype at this tier
                 del runs[name], times[name]
+        now = time.thread_time if args.clock == "cpu" else time.perf_counter
         for _ in range(args.reps):
             for name, fn in runs.items():
-                t = time.perf_counter()
+                t = now()
                 fn(x)
-                times[name].append(time.perf_counter() - t)
+                times[name].append(now() - t)
         for name, ts in times.items():
             s = statistics.median(ts)
             print(json.dumps({"tier": args.tiers, "dtype": args.dtypes, "rows": m,
@@ -108,8 +119,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the main thread's CPU time (needs --num-threads 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.clock == "cpu" and args.num_threads != 1:
+        ap.error("--clock cpu needs --num-threads 1: other threads' work is not counted")
     if args.worker:
         worker(args)
         return
@@ -121,7 +136,8 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             cmd = [sys.executable, "-m", "bench.skinny_gemm", "--worker", "--tiers", tier,
                    "--dtypes", dtype, "--rows", args.rows, "--layers", str(args.layers),
-                   "--reps", str(args.reps), "--num-threads", str(args.num_threads)]
+                   "--reps", str(args.reps), "--num-threads", str(args.num_threads),
+                   "--clock", args.clock]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             for line in done.stdout.splitlines():
                 r = json.loads(line)

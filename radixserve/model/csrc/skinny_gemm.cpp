@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../../attention/csrc/bf16_access.h"
@@ -34,7 +35,8 @@ constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes per parallel task at 
 // One call's operands, as raw pointers (W and U of type Wt; x, residual and y of type Xt).
 template <typename Wt, typename Xt>
 struct Call {
-  const float* x;  // (M, ldx) fp32, zero padded past K
+  const float* x;  // (M, ldx) fp32, zero padded past K (nullptr on the vdpbf16ps path)
+  const bf16_t* xb;  // (M, ldx) bf16, zero padded: the vdpbf16ps path, else nullptr
   int64_t M, K, ldx, N;  // N: output columns
   const Wt* w;
   const Wt* up;    // nullptr unless gated
@@ -48,12 +50,24 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // Output columns [n0, n1): their weight rows (then up's: each a stream front to back) against
 // every row of x into acc / uacc ((n1 - n0, M)), then the epilogue.
 template <typename Wt, typename Xt>
-void columns(const Call<Wt, Xt>& c, int64_t n0, int64_t n1, float* acc, float* uacc) {
+void dots(const Call<Wt, Xt>& c, const Wt* w, int64_t n0, int64_t n1, float* acc) {
+#if RS_SKINNY_DPBF16
+  if constexpr (std::is_same_v<Wt, bf16_t>) {
+    if (c.xb != nullptr) {
+      for (int64_t n = n0; n < n1; ++n)
+        radixserve_skinny::dot_rows_dp(w + n * c.K, c.K, c.xb, c.ldx, c.M, acc + (n - n0) * c.M);
+      return;
+    }
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n)
-    dot_rows(c.w + n * c.K, c.K, c.x, c.ldx, c.M, acc + (n - n0) * c.M);
-  if (c.up != nullptr)
-    for (int64_t n = n0; n < n1; ++n)
-      dot_rows(c.up + n * c.K, c.K, c.x, c.ldx, c.M, uacc + (n - n0) * c.M);
+    dot_rows(w + n * c.K, c.K, c.x, c.ldx, c.M, acc + (n - n0) * c.M);
+}
+
+template <typename Wt, typename Xt>
+void columns(const Call<Wt, Xt>& c, int64_t n0, int64_t n1, float* acc, float* uacc) {
+  dots(c, c.w, n0, n1, acc);
+  if (c.up != nullptr) dots(c, c.up, n0, n1, uacc);
   for (int64_t n = n0; n < n1; ++n) {
     const float b = c.bias == nullptr ? 0.f : ld(c.bias, n);
     for (int64_t m = 0; m < c.M; ++m) {
@@ -80,28 +94,40 @@ void run(const Call<Wt, Xt>& c) {
   });
 }
 
-// x (M, K) -> (M, ldx) fp32, zero padded.
-std::vector<float> widen_x(const at::Tensor& x, int64_t ldx) {
+// x (M, K) -> (M, ldx) fp32, zero padded, input k at x_slot(k) (bf16 weights: permuted).
+std::vector<float> widen_x(const at::Tensor& x, int64_t ldx, bool bf16_weights) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> xp(M * ldx, 0.f);
-  if (x.scalar_type() == at::kFloat) {
-    const float* src = x.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) std::copy(src + m * K, src + (m + 1) * K, xp.data() + m * ldx);
-  } else {
-    const auto* src = reinterpret_cast<const bf16_t*>(x.data_ptr());
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xp[m * ldx + k] = ld(src, m * K + k);
-  }
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const float* xf = f32 ? x.data_ptr<float>() : nullptr;
+  const auto* xb = f32 ? nullptr : reinterpret_cast<const bf16_t*>(x.data_ptr());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      xp[m * ldx + radixserve_skinny::x_slot(k, bf16_weights)] =
+          f32 ? xf[m * K + k] : ld(xb, m * K + k);
+  return xp;
+}
+
+// x (M, K) bf16 -> (M, ldx) bf16, zero padded (the vdpbf16ps path's operand, natural order).
+std::vector<bf16_t> pad_bf16(const at::Tensor& x, int64_t ldx) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<bf16_t> xp(M * ldx, 0);
+  const auto* src = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  for (int64_t m = 0; m < M; ++m) std::copy(src + m * K, src + (m + 1) * K, xp.data() + m * ldx);
   return xp;
 }
 
 template <typename Wt, typename Xt>
-void dispatch(const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+void dispatch(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
               const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& up,
-              const std::vector<float>& xp, int64_t M, int64_t K, int64_t ldx, at::Tensor& y) {
+              int64_t ldx, at::Tensor& y) {
+  const bool dp = RS_SKINNY_DPBF16 && std::is_same_v<Wt, bf16_t> && std::is_same_v<Xt, bf16_t>;
+  const std::vector<float> xf = dp ? std::vector<float>() : widen_x(x, ldx, sizeof(Wt) == 2);
+  const std::vector<bf16_t> xb = dp ? pad_bf16(x, ldx) : std::vector<bf16_t>();
   const auto wp = [](const at::Tensor& t) { return reinterpret_cast<const Wt*>(t.data_ptr()); };
-  const Call<Wt, Xt> c{xp.data(), M, K, ldx, y.size(1), wp(w),
-                       up ? wp(*up) : nullptr, bias ? wp(*bias) : nullptr,
+  const Call<Wt, Xt> c{dp ? nullptr : xf.data(), dp ? xb.data() : nullptr, x.size(0), w.size(1),
+                       ldx, y.size(1), wp(w), up ? wp(*up) : nullptr,
+                       bias ? wp(*bias) : nullptr,
                        residual ? reinterpret_cast<const Xt*>(residual->data_ptr()) : nullptr,
                        reinterpret_cast<Xt*>(y.data_ptr())};
   run(c);
@@ -135,12 +161,11 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& w,
   const at::Tensor x = x_in.contiguous();
   const int64_t ldx = (K + radixserve_skinny::kXPad - 1) / radixserve_skinny::kXPad *
                       radixserve_skinny::kXPad;
-  const std::vector<float> xp = widen_x(x, ldx);
   const bool wf = wt == at::kFloat, xf = xt == at::kFloat;
-  if (wf && xf) dispatch<float, float>(w, bias, residual, up, xp, M, K, ldx, y);
-  else if (wf) dispatch<float, bf16_t>(w, bias, residual, up, xp, M, K, ldx, y);
-  else if (xf) dispatch<bf16_t, float>(w, bias, residual, up, xp, M, K, ldx, y);
-  else dispatch<bf16_t, bf16_t>(w, bias, residual, up, xp, M, K, ldx, y);
+  if (wf && xf) dispatch<float, float>(x, w, bias, residual, up, ldx, y);
+  else if (wf) dispatch<float, bf16_t>(x, w, bias, residual, up, ldx, y);
+  else if (xf) dispatch<bf16_t, float>(x, w, bias, residual, up, ldx, y);
+  else dispatch<bf16_t, bf16_t>(x, w, bias, residual, up, ldx, y);
   return y;
 }
 
