@@ -5,10 +5,15 @@ host executes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
+from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.model.cpu_linear import GateUp, Linear
+from radixserve.model.families.registry import load_model, read_model_spec
 from radixserve.model.layers.linear import FloatMethod, linear_method
 from radixserve.model.skinny_kernel import (
     MAX_ROWS,
@@ -132,3 +137,21 @@ def test_the_float_method_loads_the_op_once_for_cpu() -> None:
     # prepacked=False (the fused path) keeps F.linear; no op, no oneDNN
     plain = Linear(w, prepacked=False, skinny=method.skinny)
     assert plain.skinny is None and plain.packed is None and plain.weight is w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_loaded_models_float_linears_run_the_op(op: SkinnyLinear, tiny_llama_tied: Path,
+                                                  dtype: torch.dtype) -> None:
+    """Every projection (QKV, O, the SwiGLU pair, down) and the LM head hold the plain weight
+    and the op; the tied LM head is the embedding's own tensor (no second copy)."""
+    model = load_model(tiny_llama_tied, read_model_spec(tiny_llama_tied),
+                       TorchAttentionBackend(), 64, dtype, torch.device("cpu"))
+    layers: list[Any] = list(model.layers)  # Llama-order layers: qkv, o_proj, mlp
+    for layer in layers:
+        for kernel in (layer.qkv.kernel, layer.o_proj.kernel, layer.mlp.down.kernel):
+            assert isinstance(kernel, Linear) and kernel.skinny is not None
+            assert kernel.packed is None and kernel.weight is not None
+        assert isinstance(layer.mlp.packed, GateUp) and layer.mlp.packed.skinny is not None
+    head = model.lm_head.kernel
+    assert isinstance(head, Linear) and head.skinny is not None and head.weight is not None
+    assert head.weight.data_ptr() == model.embed.data_ptr()
