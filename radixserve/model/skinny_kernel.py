@@ -10,7 +10,8 @@ up (N, K) | None) -> y (M, N) in x's dtype:
   up None: y = x @ w.T + bias + residual
   up given (no bias, no residual): y = silu(x @ w.T) * (x @ up.T)
 x float32 or bfloat16, w (and up, bias) float32 or bfloat16, the weight in its plain (N, K)
-layout (no repacking: oneDNN multiplies the same tensor for prefill), fp32 accumulation, one
+layout (no repacking: oneDNN multiplies the same tensor for prefill), fp32 accumulation (bf16
+x with bf16 w on avx512_bf16 / amx: vdpbf16ps, exact products, denormals flushed), one
 rounding to x's dtype. Each output row is computed the same way whatever M is, so a
 request's tokens do not depend on what else is in its batch (csrc/skinny_gemm.h).
 
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 from radixserve.platform.kernels import SKINNY_GEMM, load_extension
 
 # At or below this many rows (a decode step's batch) the float linears run the skinny GEMM;
-# above it oneDNN's GEMM (bench/README.md, "Decode at the memory floor": where oneDNN wins).
+# above it oneDNN's GEMM on the plain weight. The op wins up to 8 rows on every tier and dtype
+# measured; oneDNN from 12 in fp32 and on avx512_bf16 in bf16 (capped tiers' bf16: the op still
+# wins at 12-16; one bound kept). bench/README.md, "Decode at the memory floor".
 MAX_ROWS = 8
 
 # (x, w, bias, residual, up) -> y

@@ -7,7 +7,8 @@
 // epilogue (bias, residual, silu * up, the rounding to x's dtype) runs on the fp32 sums before
 // they are stored: the output is written once.
 //
-// Numerics: fp32 accumulation; x float32 or bfloat16 (widened to fp32), W float32 or bfloat16,
+// Numerics: fp32 accumulation; x float32 or bfloat16 (widened to fp32, or kept in bf16 for
+// vdpbf16ps with bf16 weights on the avx512_bf16 / amx builds), W float32 or bfloat16,
 // bias in W's dtype, residual and y in x's dtype; y[m, n] rounded once from fp32 (bf16: to
 // nearest even). Every y[m, n] is computed the same way whatever M is (skinny_gemm.h).
 #include <ATen/ATen.h>

@@ -17,8 +17,9 @@
 // Per tier: AVX-512 (the avx512, avx512_bf16 and amx builds) one zmm per accumulator, 16
 // inputs per step; AVX2 + FMA one ymm, 8 inputs; portable 8 floats in plain C++ (the build has
 // no -ffast-math and no FMA contraction, so its sums are exactly the order written).
-// avx512_bf16 widens bf16 as well rather than vdpbf16ps: the product stays exact and the step
-// is bound by reading the weight, not by its arithmetic.
+// The avx512_bf16 and amx builds multiply bf16 weights with bf16 x by vdpbf16ps (dot_row_dp):
+// widening costs two integer ops per 32 weights and twice the FMAs, which at 4-8 rows of x
+// made the step bound by arithmetic, not by reading the weight.
 #pragma once
 
 #include <cstdint>
