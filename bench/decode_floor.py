@@ -16,6 +16,11 @@ ATEN_CPU_CAPABILITY), so that a capped tier stands for a CPU of that tier.
 
     python -m bench.decode_floor --num-threads 2
     python -m bench.decode_floor --tiers avx2,avx512_bf16 --dtypes float32,bfloat16 --runs 3
+    python -m bench.decode_floor --num-threads 1 --clock cpu   # on a shared, loaded machine
+
+`--clock cpu` times the steps, their parts and the bandwidth's sums in the main thread's CPU
+time (time.thread_time), which a loaded machine's preemptions do not inflate; it needs
+--num-threads 1 (with more, the other threads' work would not be counted).
 
 Does not know: the HTTP server (bench.compare measures through it).
 """
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,23 +48,23 @@ from radixserve.types import SamplingParams
 BANDWIDTH_BYTES = 2**30
 
 
-def read_bandwidth(passes: int = 7) -> float:
+def read_bandwidth(passes: int = 7, now: Callable[[], float] = time.perf_counter) -> float:
     """GB/s of a sum over BANDWIDTH_BYTES of float32 (torch's threads), median of `passes`."""
     x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     x.sum()  # pages touched
     times = []
     for _ in range(passes):
-        t = time.perf_counter()
+        t = now()
         x.sum()
-        times.append(time.perf_counter() - t)
+        times.append(now() - t)
     return BANDWIDTH_BYTES / statistics.median(times) / 1e9
 
 
 class StepClock(PartClock):
     """Seconds per engine step and per part of each step's forward."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(now)
         self.steps: list[float] = []
         self.parts: list[dict[str, float]] = []
 
@@ -70,9 +76,9 @@ def instrument(llm: LLM, clock: StepClock) -> None:
 
     def timed_step() -> Any:
         clock.take()
-        t = time.perf_counter()
+        t = clock.now()
         out = step()
-        clock.steps.append(time.perf_counter() - t)
+        clock.steps.append(clock.now() - t)
         clock.parts.append(clock.take())
         return out
 
@@ -116,10 +122,11 @@ def worker(args: argparse.Namespace) -> None:
         kw["num_threads"] = args.num_threads
     llm = LLM(model=args.model, **kw)
     layers, head = llm.engine.runner.model.linear_weight_bytes()
-    clock = StepClock()
+    now = time.thread_time if args.clock == "cpu" else time.perf_counter
+    clock = StepClock(now)
     instrument(llm, clock)
     llm.generate([[100, 200, 300]], SamplingParams(temperature=0, max_tokens=4))
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(now=now)
     for batch in (int(b) for b in args.batches.split(",")):
         m = measure(llm, clock, batch, args.output_len, args.runs)
         print(json.dumps({"tier": args.tier, "dtype": args.dtype, "batch": batch, **m,
@@ -135,7 +142,7 @@ def run_worker(args: argparse.Namespace, tier: str, dtype: str) -> list[dict[str
         env["ATEN_CPU_CAPABILITY"] = ATEN_ISA[tier]
     cmd = [sys.executable, "-m", "bench.decode_floor", "--worker", "--tiers", tier,
            "--dtypes", dtype, "--batches", args.batches, "--model", args.model,
-           "--output-len", str(args.output_len), "--runs", str(args.runs)]
+           "--output-len", str(args.output_len), "--runs", str(args.runs), "--clock", args.clock]
     if args.num_threads is not None:
         cmd += ["--num-threads", str(args.num_threads)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -153,8 +160,12 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None, help="default: the engine's")
     ap.add_argument("--output-len", type=int, default=129)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the main thread's CPU time (needs --num-threads 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.clock == "cpu" and args.num_threads != 1:
+        ap.error("--clock cpu needs --num-threads 1: other threads' work is not counted")
     if args.worker:
         args.tier, args.dtype = args.tiers, args.dtypes
         worker(args)
@@ -168,6 +179,7 @@ def main() -> None:
         if r["batch"] == rows[0]["batch"]:
             print(f"{r['tier']} {r['dtype']}: CPU kernels {r['kernels']}; torch threads "
                   f"{r['threads']}")
+    print(f"clock: {args.clock}")
     print(f"\n{'tier':12s} {'dtype':9s} {'B':>2s} {'step ms':>8s} {'floor ms':>8s} "
           f"{'ratio':>6s} {'GB/s':>6s} {'weights MB':>10s} | {'linear':>6s} {'attn':>6s} "
           f"{'other':>6s} {'outside':>7s}  (ms)")

@@ -102,7 +102,7 @@ class ModelParts:
         down = RowParallelLinear(self.method.create(lw.down, None), "down_proj", i,
                                  (self.spec.hidden_size,), self.lora, tp=self.tp)
         packed = None if self.fused or act != "silu" or self.lora is not None else (
-            self.method.packed_halves(lw.gate_up))
+            self.method.swiglu(lw.gate_up))
         if packed is not None:
             return GatedMLP(None, down, act, packed)
         inter = out_features(lw.gate_up) // 2

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from radixserve.model.cpu_linear import Linear, prepack
+from radixserve.model.cpu_linear import GateUp, Linear, Skinny
 from radixserve.model.int8_kernel import Int8Gemm, load_int8_gemm
 from radixserve.model.layers.norm import Residual
 from radixserve.model.quant import Int8Linear
@@ -24,6 +24,7 @@ from radixserve.model.quantization.config import QuantConfig
 from radixserve.model.quantization.cpu_kernel import load_quant_gemm
 from radixserve.model.quantization.methods import CheckpointMethod, Fp8Method
 from radixserve.model.quantization.qweight import LinearWeight
+from radixserve.model.skinny_kernel import load_skinny_linear
 
 if TYPE_CHECKING:
     from radixserve.parallel.comm import TPComm
@@ -53,30 +54,29 @@ class LinearMethod(Protocol):
         checkpoint's QWeights) and bias (out,)."""
         ...
 
-    def packed_halves(self, gate_up: LinearWeight
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """gate and up in oneDNN's prepacked layout for the epilogue-fused SwiGLU (None:
-        this method has no such form; the MLP runs one gate_up GEMM)."""
+    def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
+        """gate and up as the fused SwiGLU kernel (cpu_linear.GateUp: the skinny op for
+        decode, oneDNN's epilogues for prefill); None: this method has no such form, the MLP
+        runs one gate_up GEMM."""
         ...
 
 
 @dataclass(frozen=True)
 class FloatMethod:
-    """Weights in the model dtype: oneDNN-prepacked on CPU where it applies, else F.linear."""
+    """Weights in the model dtype: on CPU the skinny op for decode and oneDNN for prefill
+    (cpu_linear.py), else F.linear. `skinny`: the op loaded once for every layer."""
 
     name: str = "float"
+    skinny: Skinny = "load"
 
     def create(self, weight: LinearWeight, bias: torch.Tensor | None, *,
                prepacked: bool = True) -> LinearKernel:
         assert isinstance(weight, torch.Tensor), "quantized weights need their method"
-        return Linear(weight, bias, prepacked)
+        return Linear(weight, bias, prepacked, self.skinny)
 
-    def packed_halves(self, gate_up: LinearWeight
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
         assert isinstance(gate_up, torch.Tensor)
-        inter = gate_up.shape[0] // 2
-        gate, up = prepack(gate_up[:inter]), prepack(gate_up[inter:])
-        return None if gate is None or up is None else (gate, up)
+        return GateUp.make(gate_up, self.skinny)
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ class Int8Method:
         assert isinstance(weight, torch.Tensor), "int8 quantizes float weights"
         return Int8Linear(weight, bias, self.gemm)
 
-    def packed_halves(self, gate_up: LinearWeight
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
         return None
 
 
@@ -108,7 +107,7 @@ def linear_method(quantization: str | None, device: torch.device,
     if checkpoint is not None:
         return CheckpointMethod(checkpoint.method, device, qgemm())
     if quantization is None:
-        return FloatMethod()
+        return FloatMethod(skinny=load_skinny_linear() if device.type == "cpu" else None)
     if quantization == "int8":
         # One load (or one failed build) of the int8 kernel for every layer, not one each.
         return Int8Method(load_int8_gemm() if device.type == "cpu" else None)

@@ -1,8 +1,9 @@
 """The gated MLP (SwiGLU or Gemma's GELU-tanh), and the FeedForward slot a MoE block fills.
 
-Owns: act(gate) * up then down, with each device's kernel: on CPU with prepacked float
-weights and SiLU, gate and up as two oneDNN GEMMs whose epilogues apply the silu and the
-product; on the fused path triton_kernels' silu_mul; else one gate_up GEMM and torch.
+Owns: act(gate) * up then down, with each device's kernel: on CPU with float weights and
+SiLU, cpu_linear.GateUp (the skinny op for decode steps, oneDNN's GEMMs with the silu and the
+product as epilogues for prefill); on the fused path triton_kernels' silu_mul; else one
+gate_up GEMM and torch.
 Does not know: configs, checkpoint names, the residual's layout (RowParallelLinear.into).
 """
 
@@ -13,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.cpu_linear import GateUp
 from radixserve.model.layers.context import ForwardContext
 from radixserve.model.layers.linear import LinearLayer, RowParallelLinear
 from radixserve.model.layers.norm import Residual
@@ -36,28 +38,23 @@ class FeedForward(Protocol):
 
 
 class GatedMLP:
-    """down(act(x @ gate.T) * (x @ up.T)); `packed`: gate and up prepacked for oneDNN."""
+    """down(act(x @ gate.T) * (x @ up.T)); `packed`: gate and up as cpu_linear.GateUp."""
 
     def __init__(self, gate_up: LinearLayer | None, down: RowParallelLinear, act: str,
-                 packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 packed: GateUp | None = None) -> None:
         assert act in ACTIVATIONS, act
         assert (gate_up is None) != (packed is None), "one form of gate/up"
         self.gate_up, self.down, self.act, self.packed = gate_up, down, act, packed
 
     @property
     def nbytes(self) -> int:
-        halves = 0 if self.packed is None else sum(p.numel() * p.element_size()
-                                                   for p in self.packed)
+        halves = 0 if self.packed is None else self.packed.nbytes
         return halves + (0 if self.gate_up is None else self.gate_up.nbytes) + self.down.nbytes
 
     def activation(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up: (T, hidden) -> (T, intermediate)."""
-        if self.packed is not None:  # the epilogues apply silu and the product
-            gate, up = self.packed
-            lp = torch.ops.mkldnn._linear_pointwise
-            act = lp(x, gate, None, "swish", [], "")  # silu(x @ gate.T): (T, inter)
-            out: torch.Tensor = lp.binary(x, act, up, None, "mul")  # (x @ up.T) * act
-            return out
+        if self.packed is not None:  # silu(x @ gate.T) * (x @ up.T), fused
+            return self.packed(x)
         assert self.gate_up is not None
         gu = self.gate_up(x)  # (T, 2 * inter): gate columns, then up columns
         if self.act == "silu" and ctx.fused:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.model.cpu_linear import Linear, prepack
+from radixserve.model.cpu_linear import GateUp, Linear
 from radixserve.model.quantization.cpu_kernel import QuantGemm
 from radixserve.model.quantization.linear import QuantLinear
 from radixserve.model.quantization.qweight import LinearWeight, quantize_fp8
@@ -33,13 +33,8 @@ class CheckpointMethod:
             return QuantLinear(weight, bias, self.device, self.gemm)
         return Linear(weight, bias, prepacked)  # a layer the checkpoint left in float
 
-    def packed_halves(self, gate_up: LinearWeight
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if isinstance(gate_up, list):
-            return None
-        inter = gate_up.shape[0] // 2
-        gate, up = prepack(gate_up[:inter]), prepack(gate_up[inter:])
-        return None if gate is None or up is None else (gate, up)
+    def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
+        return None if isinstance(gate_up, list) else GateUp.make(gate_up)
 
 
 @dataclass(frozen=True)
@@ -55,6 +50,5 @@ class Fp8Method:
             return QuantLinear(weight, bias, weight[0].codes.device, self.gemm)
         return QuantLinear([quantize_fp8(weight)], bias, weight.device, self.gemm)
 
-    def packed_halves(self, gate_up: LinearWeight
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
         return None
