@@ -18,7 +18,8 @@ HF parity tests stay identical (tests/model/test_parity.py runs with it on).
 Plain `F.linear` where prepacking does not apply: CUDA, other dtypes, a torch build without
 oneDNN (or bf16 support in it), or `prepack=False`.
 
-Skinny (CPU, fp32 or bf16, where the native op builds: model/skinny_kernel.py): a decode step
+Skinny (CPU, fp32 or bf16, opted in with RADIXSERVE_CPU_SKINNY_GEMM=1 where the native op
+builds: model/skinny_kernel.py says what it trades): a decode step
 of at most skinny_kernel.MAX_ROWS rows runs our own GEMM on the plain (N, K) weight, which
 streams the weight at the memory's bandwidth where oneDNN's M=1 product reaches about half of
 it; more rows (prefill) run oneDNN's GEMM on that same plain tensor (the weight is not
@@ -35,7 +36,12 @@ import torch.nn.functional as F
 
 from radixserve.model.int8_kernel import Int8Gemm
 from radixserve.model.quant import Int8Linear
-from radixserve.model.skinny_kernel import MAX_ROWS, SkinnyLinear, load_skinny_linear
+from radixserve.model.skinny_kernel import (
+    MAX_ROWS,
+    SkinnyLinear,
+    load_skinny_linear,
+    skinny_enabled,
+)
 
 PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; any row count works
 
@@ -73,7 +79,9 @@ def skinny_op(weight: torch.Tensor, prepacked: bool, skinny: Skinny) -> SkinnyLi
     if not prepacked or weight.device.type != "cpu" or weight.dtype not in (torch.float32,
                                                                             torch.bfloat16):
         return None
-    return load_skinny_linear() if skinny == "load" else skinny
+    if skinny == "load":
+        return load_skinny_linear() if skinny_enabled() else None
+    return skinny
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,

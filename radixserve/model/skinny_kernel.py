@@ -15,12 +15,17 @@ x with bf16 w on avx512_bf16 / amx: vdpbf16ps, exact products, denormals flushed
 rounding to x's dtype. Each output row is computed the same way whatever M is, so a
 request's tokens do not depend on what else is in its batch (csrc/skinny_gemm.h).
 
-If the build fails or RADIXSERVE_NO_CPU_KERNELS=1, `load_skinny_linear` returns None and the
-linears keep oneDNN's prepacked weights.
+Opt-in (`RADIXSERVE_CPU_SKINNY_GEMM=1`, read at model load), because it trades: batch-1
+decode gets closer to the memory floor (1.6-1.9x of it from 2.2-3.1x, one thread), but the
+weight stays plain, so oneDNN's prefill on it is 6-67% slower than on its prepacked layout
+(16-256 rows), and at 8 rows the op is slower than oneDNN prepacked (bench/README.md, "Decode
+at the memory floor"). Off, or where the build fails, or with RADIXSERVE_NO_CPU_KERNELS=1,
+the float linears keep oneDNN's prepacked weights.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -34,9 +39,16 @@ from radixserve.platform.kernels import SKINNY_GEMM, load_extension
 # wins at 12-16; one bound kept). bench/README.md, "Decode at the memory floor".
 MAX_ROWS = 8
 
+ENV_SKINNY = "RADIXSERVE_CPU_SKINNY_GEMM"  # "1": decode steps run the skinny op (opt-in)
+
 # (x, w, bias, residual, up) -> y
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
                          torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def skinny_enabled() -> bool:
+    """Whether $RADIXSERVE_CPU_SKINNY_GEMM opts the float linears into the skinny op."""
+    return os.environ.get(ENV_SKINNY, "").strip() == "1"
 
 
 def load_skinny_linear() -> SkinnyLinear | None:

@@ -1,7 +1,7 @@
 """The native skinny GEMM (csrc/skinny_gemm.cpp) against its float64 reference, its batch
 invariance (a row's bits do not depend on the other rows), and the float linears' use of it:
-decode steps (at most MAX_ROWS rows) take it, prefill keeps oneDNN; under each CPU tier this
-host executes."""
+decode steps (at most MAX_ROWS rows) take it when RADIXSERVE_CPU_SKINNY_GEMM=1 opts in, prefill
+keeps oneDNN; under each CPU tier this host executes."""
 
 from __future__ import annotations
 
@@ -11,16 +11,20 @@ from typing import Any
 import pytest
 import torch
 
+from radixserve import LLM
 from radixserve.attention.torch_backend import TorchAttentionBackend
-from radixserve.model.cpu_linear import GateUp, Linear
+from radixserve.model.cpu_linear import GateUp, Linear, can_prepack
 from radixserve.model.families.registry import load_model, read_model_spec
 from radixserve.model.layers.linear import FloatMethod, linear_method
 from radixserve.model.skinny_kernel import (
+    ENV_SKINNY,
     MAX_ROWS,
     SkinnyLinear,
     load_skinny_linear,
     skinny_reference,
 )
+from tests.model.test_families import engine_tokens, hf_greedy
+from tests.model.test_parity import random_prompts
 
 pytestmark = pytest.mark.usefixtures("cpu_tier")
 
@@ -129,6 +133,23 @@ def test_decode_rows_take_the_op_and_prefill_keeps_onednn(op: SkinnyLinear,
         assert spy.calls == calls, m
 
 
+@pytest.fixture
+def opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_SKINNY, "1")
+
+
+def test_off_by_default_the_float_linears_keep_onednn_prepacked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_SKINNY, raising=False)
+    method = linear_method(None, torch.device("cpu"))
+    assert isinstance(method, FloatMethod) and method.skinny is None
+    lin = Linear(torch.randn(16, 8))
+    assert lin.skinny is None
+    if can_prepack(torch.device("cpu"), torch.float32):
+        assert lin.packed is not None and lin.weight is None
+
+
+@pytest.mark.usefixtures("opted_in")
 def test_the_float_method_loads_the_op_once_for_cpu() -> None:
     method = linear_method(None, torch.device("cpu"))
     assert isinstance(method, FloatMethod) and method.skinny is not None
@@ -139,6 +160,7 @@ def test_the_float_method_loads_the_op_once_for_cpu() -> None:
     assert plain.skinny is None and plain.packed is None and plain.weight is w
 
 
+@pytest.mark.usefixtures("opted_in")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_loaded_models_float_linears_run_the_op(op: SkinnyLinear, tiny_llama_tied: Path,
                                                   dtype: torch.dtype) -> None:
@@ -155,3 +177,14 @@ def test_a_loaded_models_float_linears_run_the_op(op: SkinnyLinear, tiny_llama_t
     head = model.lm_head.kernel
     assert isinstance(head, Linear) and head.skinny is not None and head.weight is not None
     assert head.weight.data_ptr() == model.embed.data_ptr()
+
+
+@pytest.mark.usefixtures("opted_in")
+def test_opted_in_greedy_fp32_tokens_equal_hf(op: SkinnyLinear, tiny_llama_tied: Path) -> None:
+    """The engine on the op (decode) and oneDNN on the plain weight (prefill), cache on: HF's
+    greedy tokens, batch of 3 (rows 1-3 through the op) and the same prompts from the tree."""
+    prompts = random_prompts([5, 17, 40], 200, seed=3)
+    llm = LLM(model=str(tiny_llama_tied), dtype="float32", kv_cache_tokens=2048)
+    want = hf_greedy(tiny_llama_tied, prompts, 6)  # engine_tokens: 6 new tokens
+    assert engine_tokens(llm, prompts) == want
+    assert engine_tokens(llm, prompts) == want

@@ -24,7 +24,7 @@ from radixserve.model.quantization.config import QuantConfig
 from radixserve.model.quantization.cpu_kernel import load_quant_gemm
 from radixserve.model.quantization.methods import CheckpointMethod, Fp8Method
 from radixserve.model.quantization.qweight import LinearWeight
-from radixserve.model.skinny_kernel import load_skinny_linear
+from radixserve.model.skinny_kernel import load_skinny_linear, skinny_enabled
 
 if TYPE_CHECKING:
     from radixserve.parallel.comm import TPComm
@@ -107,7 +107,8 @@ def linear_method(quantization: str | None, device: torch.device,
     if checkpoint is not None:
         return CheckpointMethod(checkpoint.method, device, qgemm())
     if quantization is None:
-        return FloatMethod(skinny=load_skinny_linear() if device.type == "cpu" else None)
+        on = device.type == "cpu" and skinny_enabled()  # opt-in: skinny_kernel.py says why
+        return FloatMethod(skinny=load_skinny_linear() if on else None)
     if quantization == "int8":
         # One load (or one failed build) of the int8 kernel for every layer, not one each.
         return Int8Method(load_int8_gemm() if device.type == "cpu" else None)
