@@ -162,6 +162,7 @@ void decode_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 const at::Tensor& k_scale, const at::Tensor& v_scale, const Geometry& g,
                 const Batch& batch, at::Tensor& out, at::Tensor& lse) {
   if (decode_fp8_amx(q, k_cache, v_cache, k_scale, v_scale, g, batch, out, lse) ||
+      decode_fp8_bf16(q, k_cache, v_cache, k_scale, v_scale, g, batch, out, lse) ||
       decode_fp8_avx512(q, k_cache, v_cache, k_scale, v_scale, g, batch, out, lse))
     return;
   auto run = [&](auto dtag, auto tag, auto ftag) {
