@@ -12,13 +12,18 @@
 // fp32, the scale applied to the fp32 score, as the bf16 pool's own kernel does). The 16-lane
 // dot products of 4 keys fold into one vector by unpacks (reduce4), 4 of those into the
 // block's 16 scores by 128-bit shuffles (reduce16): 45 instructions per head and 16 keys.
-// P.V keeps P in fp32: the bf16 row is fp32 by one unpack against zero per 16 values, in
-// pair64's order (the output is permuted back), the heads' accumulators in registers.
+// P.V two keys at a time: their rows as (key, next key) bf16 pairs (Bf16Lut::pairs), each
+// head's two probabilities broadcast as bf16 hi and lo parts (P keeps 16 of fp32's 24 bits;
+// hi alone, as the AMX path rounds P, was ~7% faster in cache, not measurably from memory),
+// the heads' fp32 accumulators in registers, in pair64's order (the output permuted back).
+// Of the prefetch schedules tried (the next block's rows at once, as here; spread key by key
+// or per KV head; two blocks ahead; into L2), none was measurably better on the loaded box.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "bf16_access.h"
@@ -115,11 +120,13 @@ void scores_block(const Slice& s, const Bf16Lut<F>& lut, const bf16_t* qb, float
                           _mm512_mul_ps(reduce16(quad[g]), vs));
 }
 
-// acc (hq, D) of the slice's heads += their probabilities (p: (hq, len)) times the values,
-// in pair64's order per 64 dims.
+// acc (hq, D) of the slice's heads += their probabilities times the values, in pair64's order
+// per 64 dims: two keys at a time as (key, next key) bf16 pairs (Bf16Lut::pairs), each head's
+// pair of probabilities broadcast; P as hi + lo, two bf16 each (ph, pl: (hq, lenp) in key
+// order, zero past len), so P keeps 16 of fp32's 24 bits.
 template <int64_t D, Format F>
-void values_block(const Slice& s, const Bf16Lut<F>& lut, const float* p, int64_t len,
-                  float* acc) {
+void values_block(const Slice& s, const Bf16Lut<F>& lut, const bf16_t* ph, const bf16_t* pl,
+                  int64_t lenp, float* acc) {
   constexpr int64_t NV = D / 16, G = heads_at_once<D>();
   __m512 a[G][NV];
 #pragma GCC unroll 8
@@ -127,27 +134,28 @@ void values_block(const Slice& s, const Bf16Lut<F>& lut, const float* p, int64_t
 #pragma GCC unroll 16
     for (int64_t c = 0; c < NV; ++c)
       a[g][c] = g < s.ng ? _mm512_loadu_ps(acc + (s.h0 + g) * D + 16 * c) : _mm512_setzero_ps();
-  for (int64_t j = 0; j < s.n; ++j) {
-    const uint8_t* r = s.row(j);
-    __m512 v[NV];
+  for (int64_t j = 0; j < s.n; j += 2) {  // key n of an odd n: its p is zero
+    const uint8_t *ra = s.row(j), *rb = s.row(j + 1);
+    __m512bh v[NV];
 #pragma GCC unroll 4
     for (int64_t c = 0; c < D / 64; ++c) {
-      __m512i lo, hi;  // the codes' bf16 bytes
-      lut.bytes(_mm512_loadu_si512(r + 64 * c), lo, hi);
-      // (zero, lo, hi) as 32-bit lanes (0, 0, lo, hi): each code's bf16 value as fp32
-      const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
-      const __m512i z = _mm512_setzero_si512();
-      v[4 * c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w0));
-      v[4 * c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w0));
-      v[4 * c + 2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w1));
-      v[4 * c + 3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w1));
+      __m512i w[4];
+      lut.pairs(_mm512_loadu_si512(ra + 64 * c), _mm512_loadu_si512(rb + 64 * c), w);
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < 4; ++i) v[4 * c + i] = (__m512bh)w[i];
     }
 #pragma GCC unroll 8
     for (int64_t g = 0; g < G; ++g) {
       if (g >= s.ng) break;
-      const __m512 pj = _mm512_set1_ps(p[(s.h0 + g) * len + s.t0 + j]);
+      const int64_t at = (s.h0 + g) * lenp + s.t0 + j;
+      uint32_t hi, lo;
+      std::memcpy(&hi, ph + at, 4);
+      std::memcpy(&lo, pl + at, 4);
+      const auto phv = (__m512bh)_mm512_set1_epi32(static_cast<int>(hi));
+      const auto plv = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo));
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
+      for (int64_t c = 0; c < NV; ++c)
+        a[g][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[g][c], phv, v[c]), plv, v[c]);
     }
   }
 #pragma GCC unroll 8
@@ -155,6 +163,19 @@ void values_block(const Slice& s, const Bf16Lut<F>& lut, const float* p, int64_t
     if (g < s.ng)
 #pragma GCC unroll 16
       for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (s.h0 + g) * D + 16 * c, a[g][c]);
+}
+
+// One head's probabilities (len) -> hi, lo bf16 (lenp: len rounded up to 16, zeros past len).
+inline void split_p(const float* p, int64_t len, int64_t lenp, bf16_t* hi, bf16_t* lo) {
+  for (int64_t t = 0; t < lenp; t += 16) {
+    const __mmask16 k = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(k, p + t);
+    const __m256bh h = _mm512_cvtneps_pbh(x);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t), (__m256i)h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf)));
+  }
 }
 
 // fn(slice) for every block of 16 keys and, within it, every KV head and group of heads; the
@@ -182,10 +203,13 @@ void decode_one(const Fp8Call<bf16_t>& c, const Geometry& g, const Batch& batch,
   const int64_t group = g.hq / g.hkv, len = batch.len_of(b);
   const int32_t* slots = batch.slots_of(b);
   const Bf16Lut<F> lut;
-  work.resize(g.hq * len + g.hq * D + g.hq * D / 2);
+  const int64_t lenp = (len + 15) & ~int64_t{15};
+  work.resize(g.hq * len + g.hq * D + g.hq * D / 2 + g.hq * lenp);
   float* sc = work.data();                                 // (hq, len) scores, then P
   float* acc = sc + g.hq * len;                            // (hq, D) P.V, pair64's order
   auto* qb = reinterpret_cast<bf16_t*>(acc + g.hq * D);    // (hq, D) q, perm64's order
+  bf16_t* ph = qb + g.hq * D;                              // (hq, lenp) P's bf16 hi
+  bf16_t* pl = ph + g.hq * lenp;                           // (hq, lenp) and lo
   const bf16_t* q = c.q_of(b);
   for (int64_t h = 0; h < g.hq; ++h)
     for (int64_t e = 0; e < D; ++e) qb[h * D + e] = q[h * D + (e & ~63) + perm64(e & 63)];
@@ -193,10 +217,13 @@ void decode_one(const Fp8Call<bf16_t>& c, const Geometry& g, const Batch& batch,
     scores_block<D, F>(s, lut, qb, g.scale * c.k_scale[kh], sc, len);
   });
   float* lse = c.lse_of(b);
-  for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
+  for (int64_t h = 0; h < g.hq; ++h) {
+    lse[h] = softmax(sc + h * len, len, g.softcap);
+    split_p(sc + h * len, len, lenp, ph + h * lenp, pl + h * lenp);
+  }
   std::fill(acc, acc + g.hq * D, 0.f);
   over_slices<D>(c.v, g.sv, g, slots, len, [&](int64_t, const Slice& s) {
-    values_block<D, F>(s, lut, sc, len, acc);
+    values_block<D, F>(s, lut, ph, pl, lenp, acc);
   });
   bf16_t* out = c.out_of(b);
   for (int64_t h = 0; h < g.hq; ++h)
