@@ -53,6 +53,7 @@ ATTENTION = NativeExtension(
     "radixserve_cpu_attention",
     tuple(_ATTN / n for n in ("paged_decode.cpp", "paged_decode_fp8.cpp",
                               "paged_decode_fp8_amx.cpp", "paged_decode_fp8_avx512.cpp",
+                              "paged_decode_fp8_bf16.cpp",
                               "prefill_attention.cpp", "prefill_attention_bf16.cpp")),
     "CPU attention kernels", ("paged_decode", "prefill_attention"))
 INT8_GEMM = NativeExtension(

@@ -99,6 +99,30 @@ def test_decode_kernel_reads_every_byte_code_exactly(fmt: torch.dtype, qdtype: t
     assert torch.equal(out, want.to(qdtype))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256, 40])  # the vector / dot-product paths; generic
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_scores_every_byte_code_exactly(fmt: torch.dtype, qdtype: torch.dtype,
+                                                      d: int) -> None:
+    """One key per request, every code in K: the lse is that key's scaled score, q . k summed
+    in fp32 from exact products (to fp32's rounding of the sum, not bf16's)."""
+    op = load_paged_decode()
+    assert op is not None
+    hkv, g = 3, 3
+    k8 = all_codes_cache(fmt, hkv, d)
+    v8 = torch.zeros_like(k8)
+    ks, vs = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([1.0, 1.0, 1.0])
+    table = torch.arange(8, dtype=torch.int32).view(8, 1)
+    q = torch.randn(8, hkv * g, d, generator=torch.Generator().manual_seed(d)).to(qdtype)
+    _, lse = op(q, k8, v8, table, torch.arange(8), torch.zeros(8, dtype=torch.int64),
+                torch.ones(8, dtype=torch.int64), 0.1, ks, vs)
+    kd = dequantize(k8, ks, torch.float32).double().repeat_interleave(g, dim=1)  # (8, hq, d)
+    prod = q.double() * kd
+    want = prod.sum(-1) * 0.1
+    bound = prod.abs().sum(-1) * 0.1 * 2.0**-20  # fp32 summation of d exact products
+    assert ((lse.double() - want).abs() <= bound).all()
+
+
 # (KV heads, query heads per KV head, head_dim): SmolLM2's; the generic head_dim; 24 query
 # heads (two lane groups in the tile path's softmax) at head_dim 128; 17 per KV head (more
 # than a tile's rows: the AVX512-BF16 path)

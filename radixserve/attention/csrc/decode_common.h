@@ -191,6 +191,12 @@ bool decode_fp8_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     const at::Tensor& k_scale, const at::Tensor& v_scale, const Geometry& g,
                     const Batch& batch, at::Tensor& out, at::Tensor& lse);
 
+// paged_decode_fp8_bf16.cpp: decode_fp8 for bf16 q on AVX512-BF16 + VBMI CPUs, head dims 64,
+// 128 and 256; false (nothing done) where it does not apply.
+bool decode_fp8_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale, const Geometry& g,
+                     const Batch& batch, at::Tensor& out, at::Tensor& lse);
+
 // paged_decode_fp8_avx512.cpp: decode_fp8 on AVX-512 CPUs (fp32 or bf16 q), head dims 32, 64,
 // 128 and 256; false (nothing done) where it does not apply.
 bool decode_fp8_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -5,8 +5,10 @@
 //
 // paged_decode.cpp owns the op, its checks and its semantics; this file is decode_fp8 there.
 // Paths by what the CPU has: for bf16 queries and head dims 64 / 128, AMX-BF16
-// (paged_decode_fp8_amx.cpp: rows converted to bf16 by table lookups, tile products);
-// otherwise AVX-512 CPUs take paged_decode_fp8_avx512.cpp (fp32 or bf16 queries, head dims
+// (paged_decode_fp8_amx.cpp: rows converted to bf16 by table lookups, tile products); then,
+// for bf16 queries and head dims 64 / 128 / 256, AVX512-BF16 with VBMI
+// (paged_decode_fp8_bf16.cpp: the same lookups in registers, vdpbf16ps); otherwise AVX-512
+// CPUs take paged_decode_fp8_avx512.cpp (fp32 or bf16 queries, head dims
 // 32 / 64 / 128 / 256: rows widened to fp32 in registers, FMAs), and here the avx2 tier
 // decode_one_fp8_blocked8 and the rest decode_one_fp8 (portable).
 #include <ATen/ATen.h>
@@ -162,6 +164,7 @@ void decode_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 const at::Tensor& k_scale, const at::Tensor& v_scale, const Geometry& g,
                 const Batch& batch, at::Tensor& out, at::Tensor& lse) {
   if (decode_fp8_amx(q, k_cache, v_cache, k_scale, v_scale, g, batch, out, lse) ||
+      decode_fp8_bf16(q, k_cache, v_cache, k_scale, v_scale, g, batch, out, lse) ||
       decode_fp8_avx512(q, k_cache, v_cache, k_scale, v_scale, g, batch, out, lse))
     return;
   auto run = [&](auto dtag, auto tag, auto ftag) {

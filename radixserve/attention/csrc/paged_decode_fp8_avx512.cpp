@@ -1,6 +1,7 @@
 // Paged decode attention over an 8-bit KV pool on AVX-512 CPUs, fp32 or bf16 queries, head dims
 // 32, 64, 128 or 256: decode_fp8_avx512, which paged_decode_fp8.cpp tries after the AMX path
-// (bf16 queries on AMX CPUs). Without AVX-512 this file compiles to a function that declines.
+// and paged_decode_fp8_bf16.cpp (bf16 queries on AVX512-BF16 CPUs: those run here at head dim
+// 32 only). Without AVX-512 this file compiles to a function that declines.
 // It replaced the AVX512-BF16 path for bf16 queries (rows to bf16 by vpermi2b tables into L1,
 // vdpbf16ps): as fast with the rows in cache, 1.4x faster streaming them from memory
 // (74 vs 107 ns a key, SmolLM2's heads, 4097-token contexts; bench/README.md).
