@@ -143,10 +143,18 @@ def huge_bytes(ranges: Sequence[Range], maps: Sequence[Mapping] | None = None) -
 
 
 def advised_huge(ranges: Sequence[Range], maps: Sequence[Mapping] | None = None) -> bool:
-    """Whether every byte of the ranges lies in a mapping madvised MADV_HUGEPAGE."""
+    """Whether every byte of the ranges lies in mappings madvised MADV_HUGEPAGE (a range may
+    span several adjacent ones: the kernel splits a mapping where another flag differs)."""
     maps = read_smaps() if maps is None else maps
-    hg = [(m.start, m.end) for m in maps if "hg" in m.flags]
-    return all(any(s <= a and a + n <= e for s, e in hg) for a, n in ranges if n > 0)
+    hg = sorted((m.start, m.end) for m in maps if "hg" in m.flags)
+    for a, n in ranges:
+        at = a
+        for s, e in hg:
+            if s <= at < e:
+                at = e
+        if n > 0 and at < a + n:
+            return False
+    return True
 
 
 def _pieces(spans: Sequence[Range], maps: Sequence[Mapping]) -> tuple[list[Range], int]:

@@ -4,7 +4,9 @@ alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,32 +63,41 @@ def test_read_smaps_parses_paths_flags_and_huge_bytes(tmp_path: Path) -> None:
     assert huge_bytes(ranges, maps) == 4 * 2**20
     assert advised_huge(ranges, maps)
     assert not advised_huge([(0x7F0000800000, 4096)], maps)
+    assert not advised_huge([(0x7F0000700000, 2 * 2**20)], maps)  # runs into the heap
+    both = [*maps[:2], dataclasses.replace(maps[2], flags=(*maps[2].flags, "hg"))]
+    assert advised_huge([(0x7F0000700000, 2 * 2**20)], both)  # two adjacent advised ones
 
 
-def _buffer(nbytes: int) -> torch.Tensor:
-    return torch.ones(nbytes // 4, dtype=torch.float32)  # touched: resident
+@pytest.fixture
+def fresh() -> Iterator[torch.Tensor]:
+    """16 MB of touched memory in a new private anonymous mapping: never advised before (heap
+    memory may be, where an earlier engine's weights were freed)."""
+    nbytes = 8 * HUGE_PAGE
+    with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as mm:
+        x = torch.frombuffer(mm, dtype=torch.float32)
+        x.fill_(1.0)
+        yield x
+        del x
 
 
 @needs_smaps
-def test_never_does_nothing() -> None:
-    x = _buffer(8 * HUGE_PAGE)
-    ranges = [(x.data_ptr(), x.numel() * 4)]
+def test_never_does_nothing(fresh: torch.Tensor) -> None:
+    ranges = [(fresh.data_ptr(), fresh.numel() * 4)]
     advice = advise_huge(ranges, mode="never")
     assert advice.advised == 0 and not advice.collapsed and advice.error is None
     assert not advised_huge(ranges)
 
 
 @needs_thp
-def test_madvise_advises_and_collapses_anonymous_memory() -> None:
-    x = _buffer(8 * HUGE_PAGE)
-    ranges = [(x.data_ptr(), x.numel() * 4)]
+def test_madvise_advises_and_collapses_anonymous_memory(fresh: torch.Tensor) -> None:
+    ranges = [(fresh.data_ptr(), fresh.numel() * 4)]
     assert not advised_huge(ranges)
     advice = advise_huge(ranges)
-    assert advice.advised >= 8 * HUGE_PAGE
+    assert advice.advised >= 6 * HUGE_PAGE  # the mapping's aligned part at least
     assert advised_huge(ranges)
     if advice.collapsed:  # the kernel found free huge pages (not promised on a busy box)
         assert huge_bytes(ranges) >= 6 * HUGE_PAGE
-    assert torch.equal(x, torch.ones_like(x))  # the contents survive the collapse
+    assert torch.equal(fresh, torch.ones_like(fresh))  # the contents survive the collapse
 
 
 @needs_thp
