@@ -31,7 +31,10 @@ def tensor_range(t: torch.Tensor) -> Range | None:
     if t.device.type != "cpu":
         return None
     if t.is_mkldnn:  # oneDNN's prepacked (opaque) weight: no strides, its own buffer
-        return int(torch.ops.mkldnn.data_ptr(t)), int(torch.ops.mkldnn._nbytes(t))
+        try:
+            return int(torch.ops.mkldnn.data_ptr(t)), int(torch.ops.mkldnn._nbytes(t))
+        except (AttributeError, RuntimeError):  # a torch build without these ops
+            return None
     if t.layout != torch.strided or t.numel() == 0:
         return None
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
