@@ -3,7 +3,10 @@
 On CPU a decode step at small batch reads every weight once, so its floor is the model's
 weight bytes / the machine's read bandwidth. This measures both, side by side:
 - bandwidth: a sum over a 1 GiB tensor (torch, the same thread count as the engine), the
-  median of several passes: GB/s read;
+  median of several passes: GB/s read, twice: in the 4 KB pages it was allocated in, then
+  madvised and collapsed into 2 MB pages (platform/huge_pages.py); the floor uses the faster
+  (the engine puts its weights in 2 MB pages where the kernel allows: model/weight_memory.py;
+  RADIXSERVE_WEIGHT_HUGE_PAGES=0 leaves them in 4 KB pages, the before of that change);
 - the decode step: offline `LLM.generate` (no HTTP) of B distinct 16-token prompts with
   --output-len tokens each (greedy, ignore_eos), B = 1 and 8; the median engine step after the
   prefill (schedule, forward, sample), and where it goes: the linear layers (LM head
@@ -43,21 +46,33 @@ import torch
 from bench.common.part_clock import PartClock, time_parts
 from radixserve import LLM
 from radixserve.platform.cpu_isa import ENV_CPU_ISA, host_tiers
+from radixserve.platform.huge_pages import advise_huge, huge_bytes
 from radixserve.types import SamplingParams
 
 BANDWIDTH_BYTES = 2**30
 
 
-def read_bandwidth(passes: int = 7, now: Callable[[], float] = time.perf_counter) -> float:
-    """GB/s of a sum over BANDWIDTH_BYTES of float32 (torch's threads), median of `passes`."""
-    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+def _sum_rate(x: torch.Tensor, passes: int, now: Callable[[], float]) -> float:
     x.sum()  # pages touched
     times = []
     for _ in range(passes):
         t = now()
         x.sum()
         times.append(now() - t)
-    return BANDWIDTH_BYTES / statistics.median(times) / 1e9
+    return x.numel() * x.element_size() / statistics.median(times) / 1e9
+
+
+def read_bandwidth(passes: int = 7, now: Callable[[], float] = time.perf_counter
+                   ) -> tuple[float, float | None]:
+    """GB/s of a sum over BANDWIDTH_BYTES of float32 (torch's threads), median of `passes`:
+    in the heap's 4 KB pages, then the same memory madvised and collapsed into 2 MB pages
+    (None where the kernel gives none: THP off, not Linux)."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    small = _sum_rate(x, passes, now)  # NOTE: THP `always` gives 2 MB pages here already
+    advise_huge([(x.data_ptr(), BANDWIDTH_BYTES)])
+    if huge_bytes([(x.data_ptr(), BANDWIDTH_BYTES)]) < BANDWIDTH_BYTES // 2:
+        return small, None
+    return small, _sum_rate(x, passes, now)
 
 
 class StepClock(PartClock):
@@ -126,11 +141,14 @@ def worker(args: argparse.Namespace) -> None:
     clock = StepClock(now)
     instrument(llm, clock)
     llm.generate([[100, 200, 300]], SamplingParams(temperature=0, max_tokens=4))
-    bandwidth = read_bandwidth(now=now)
+    bandwidth, bandwidth_huge = read_bandwidth(now=now)
+    pages = llm.engine.runner.weight_pages
     for batch in (int(b) for b in args.batches.split(",")):
         m = measure(llm, clock, batch, args.output_len, args.runs)
         print(json.dumps({"tier": args.tier, "dtype": args.dtype, "batch": batch, **m,
-                          "bandwidth": bandwidth, "weight_bytes": layers + head,
+                          "bandwidth": bandwidth, "bandwidth_huge": bandwidth_huge,
+                          "weight_pages": None if pages is None else pages.describe(),
+                          "weight_bytes": layers + head,
                           "kernels": getattr(llm.engine.runner, "cpu_kernels", None),
                           "threads": torch.get_num_threads()}), flush=True)
     llm.close()
@@ -180,13 +198,20 @@ def main() -> None:
             print(f"{r['tier']} {r['dtype']}: CPU kernels {r['kernels']}; torch threads "
                   f"{r['threads']}")
     print(f"clock: {args.clock}")
-    print(f"\n{'tier':12s} {'dtype':9s} {'B':>2s} {'step ms':>8s} {'floor ms':>8s} "
-          f"{'ratio':>6s} {'GB/s':>6s} {'weights MB':>10s} | {'linear':>6s} {'attn':>6s} "
-          f"{'other':>6s} {'outside':>7s}  (ms)")
     for r in rows:
-        floor = r["weight_bytes"] / (r["bandwidth"] * 1e9)
+        if r["batch"] == rows[0]["batch"]:
+            print(f"{r['tier']} {r['dtype']}: weights: {r['weight_pages'] or '4 KB pages'}")
+    print("floor: weight bytes / the faster of the two bandwidths (a sum over 1 GiB in 4 KB "
+          "and in 2 MB pages)")
+    print(f"\n{'tier':12s} {'dtype':9s} {'B':>2s} {'step ms':>8s} {'floor ms':>8s} "
+          f"{'ratio':>6s} {'GB/s 4K':>7s} {'GB/s 2M':>7s} {'weights MB':>10s} | "
+          f"{'linear':>6s} {'attn':>6s} {'other':>6s} {'outside':>7s}  (ms)")
+    for r in rows:
+        best = max(r["bandwidth"], r["bandwidth_huge"] or 0.0)
+        floor = r["weight_bytes"] / (best * 1e9)
+        huge = "-" if r["bandwidth_huge"] is None else f"{r['bandwidth_huge']:.1f}"
         print(f"{r['tier']:12s} {r['dtype']:9s} {r['batch']:2d} {r['step'] * 1e3:8.1f} "
-              f"{floor * 1e3:8.1f} {r['step'] / floor:5.2f}x {r['bandwidth']:6.1f} "
+              f"{floor * 1e3:8.1f} {r['step'] / floor:5.2f}x {r['bandwidth']:7.1f} {huge:>7s} "
               f"{r['weight_bytes'] / 1e6:10.0f} | {r['linear'] * 1e3:6.1f} "
               f"{r['attention'] * 1e3:6.1f} {r['other fwd'] * 1e3:6.1f} "
               f"{r['outside fwd'] * 1e3:7.1f}")

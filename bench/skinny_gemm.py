@@ -9,7 +9,8 @@ Per row count M: ms per pass over the stack and the weights' GB/s, for
   the path before the skinny op),
 - onednn plain: `_linear_pointwise` on the plain weights (the prefill path beside the op),
 - F.linear: torch's GEMM on the plain weights (the path where oneDNN lacks the dtype).
-Each tier runs in its own process with $RADIXSERVE_CPU_ISA and oneDNN's / ATen's dispatch
+The weights (plain and packed) sit in 2 MB pages as the engine's do (--pages 4k: the heap's
+4 KB pages, the engine before it advised them). Each tier runs in its own process with $RADIXSERVE_CPU_ISA and oneDNN's / ATen's dispatch
 capped alike (bench/decode_floor.py's caps); the variants alternate within each round.
 
     python -m bench.skinny_gemm --num-threads 2 --tiers avx2,avx512,avx512_bf16
@@ -35,13 +36,17 @@ import torch.nn.functional as F
 
 from bench.decode_floor import ATEN_ISA, ONEDNN_ISA
 from radixserve.model.skinny_kernel import load_skinny_linear
+from radixserve.model.weight_memory import place_weights
 from radixserve.platform.cpu_isa import ENV_CPU_ISA
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate": (1536, 576), "up": (1536, 576),
           "down": (576, 1536)}
 
 
-def variants(layers: list[dict[str, torch.Tensor]]) -> dict[str, Callable[[torch.Tensor], None]]:
+def variants(layers: list[dict[str, torch.Tensor]], pages: str
+             ) -> dict[str, Callable[[torch.Tensor], None]]:
+    """`pages` "2m": every weight (plain and packed) advised into 2 MB pages, as the engine's
+    are (model/weight_memory.py); "4k": left in the heap's 4 KB pages."""
     op = load_skinny_linear()
     assert op is not None, "the skinny op did not build"
     lp = torch.ops.mkldnn._linear_pointwise
@@ -50,6 +55,8 @@ def variants(layers: list[dict[str, torch.Tensor]]) -> dict[str, Callable[[torch
                   for layer in layers]
     except RuntimeError:  # no bf16 reorder below AVX-512 (the model then runs F.linear)
         packed = []
+    if pages == "2m":
+        place_weights([layers, packed])
     hidden, inter = SHAPES["o"][0], SHAPES["gate"][0]
 
     def skinny(x: torch.Tensor) -> None:
@@ -88,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     layers = [{n: (torch.randn(*s, generator=g) * 0.05).to(dtype) for n, s in SHAPES.items()}
               for _ in range(args.layers)]
     nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
-    runs = variants(layers)
+    runs = variants(layers, args.pages)
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, SHAPES["o"][1], generator=g).to(dtype)
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -121,6 +128,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the main thread's CPU time (needs --num-threads 1)")
+    ap.add_argument("--pages", choices=("2m", "4k"), default="2m",
+                    help="the weights in 2 MB pages (as the engine's) or the heap's 4 KB")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.clock == "cpu" and args.num_threads != 1:
@@ -137,7 +146,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "bench.skinny_gemm", "--worker", "--tiers", tier,
                    "--dtypes", dtype, "--rows", args.rows, "--layers", str(args.layers),
                    "--reps", str(args.reps), "--num-threads", str(args.num_threads),
-                   "--clock", args.clock]
+                   "--clock", args.clock, "--pages", args.pages]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             for line in done.stdout.splitlines():
                 r = json.loads(line)

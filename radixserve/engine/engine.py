@@ -134,6 +134,7 @@ class Engine:
             "linear_weight_bytes": sum(r.model.linear_weight_bytes()),
             "eos_token_ids": list(r.eos_token_ids), "attention_backend": r.backend_name,
             "cpu_kernels": r.cpu_kernels,
+            "weight_huge_pages": None if r.weight_pages is None else r.weight_pages.info(),
             "disable_radix_cache": self.cfg.disable_radix_cache,
             "schedule_policy": self.cfg.schedule_policy.value,
             "chunked_prefill_size": self.cfg.chunked_prefill_size,

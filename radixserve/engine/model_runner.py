@@ -35,6 +35,7 @@ from radixserve.model.auto_dtype import choose_auto_dtype, cpu_flags
 from radixserve.model.families.registry import build_model, family_of, read_model_spec
 from radixserve.model.lora_delta import StepLoRA
 from radixserve.model.quantization.config import read_quant_config, resolve_quantization
+from radixserve.model.weight_memory import WeightPages, place_weights
 from radixserve.model.weights import load_weights
 from radixserve.model_source import ResolvedModel, resolve_model
 from radixserve.parallel.comm import TPComm
@@ -144,6 +145,12 @@ class ModelRunner:
         self.model = build_model(model_spec, weights, backend, self.max_model_len,
                                  online_quant, tp=self.tp, shard=shard,
                                  checkpoint_quant=self.quant_config, lora=self.lora_hook)
+        # CPU: the weights (prepacked by now, not yet read) into 2 MB pages: a decode step
+        # streams them all, and 4 KB pages cost it a TLB miss per page (weight_memory.py)
+        self.weight_pages: WeightPages | None = (
+            place_weights(self.model) if self.device.type == "cpu" else None)
+        if self.weight_pages is not None:
+            logger.info("weight pages: %s", self.weight_pages.describe())
         layer_bytes, head_bytes = self.model.linear_weight_bytes()
         logger.info("linear weights: %.1f MB in the layers + %.1f MB LM head (%s%s)",
                     layer_bytes / 1e6, head_bytes / 1e6, str(self.dtype).removeprefix("torch."),

@@ -16,10 +16,11 @@ rounding to x's dtype. Each output row is computed the same way whatever M is, s
 request's tokens do not depend on what else is in its batch (csrc/skinny_gemm.h).
 
 Opt-in (`RADIXSERVE_CPU_SKINNY_GEMM=1`, read at model load), because it trades: batch-1
-decode gets closer to the memory floor (1.6-1.9x of it from 2.2-3.1x, one thread), but the
-weight stays plain, so oneDNN's prefill on it is 6-67% slower than on its prepacked layout
-(16-256 rows), and at 8 rows the op is slower than oneDNN prepacked (bench/README.md, "Decode
-at the memory floor"). Off, or where the build fails, or with RADIXSERVE_NO_CPU_KERNELS=1,
+decode gets closer to the memory floor (1.6-1.9x of it from 2.2-3.1x, one thread; 1.4-1.9x
+with the weights in 2 MB pages, model/weight_memory.py), but the weight stays plain, so
+oneDNN's prefill on it is 6-67% slower than on its prepacked layout (16-256 rows), and at 8
+rows the op is slower than oneDNN prepacked (bench/README.md, "Decode at the memory floor").
+Off, or where the build fails, or with RADIXSERVE_NO_CPU_KERNELS=1,
 the float linears keep oneDNN's prepacked weights.
 """
 

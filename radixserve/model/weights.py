@@ -142,7 +142,10 @@ def load_weights(
                     f"{hf_dir}: weight {name!r} is stored quantized ({t.dtype}) but its "
                     "format is not read here (config.json's quantization_config does not "
                     "cover it)")
-            return t.to(device=device, dtype=dtype).contiguous()
+            out = t.to(device=device, dtype=dtype).contiguous()
+            # NOTE: a no-op .to() leaves the weight in the checkpoint's private file mapping
+            # (4 KB page-cache pages, which THP cannot advise): own anonymous memory instead
+            return out.clone() if out.data_ptr() == t.data_ptr() else out
 
         def raw(name: str) -> torch.Tensor:
             bar.update(1)
