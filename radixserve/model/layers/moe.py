@@ -17,9 +17,10 @@ top-k weights applied in one multiply and the rows scattered back with one index
 sorted order: each token's experts are summed in ascending expert order, as HF sums them).
 Where the native op builds (model/moe_kernel.py: csrc/moe/, per CPU tier), the whole of the
 above is one call per layer on the stacked weights: it groups the pairs itself, so no count
-is read on the host, and streams each active expert's weights once for all its rows. A bf16
-prefill on a CPU without AVX512-BF16 (moe_kernel.native_fits) runs the torch path below on
-the same stacked weights (oneDNN's bf16 GEMMs are faster there; it reads the counts).
+is read on the host, and streams each active expert's weights once for all its rows (kept
+in 2 MB pages: moe_pages.py). A bf16 prefill on a CPU without AVX512-BF16
+(moe_kernel.native_fits) runs the torch path below on the same stacked weights (oneDNN's
+bf16 GEMMs are faster there; it reads the counts).
 Without it, where oneDNN prepacking applies (cpu_linear.py's rule), each expert's gate, up
 and down are prepacked at load (replacing the stacked copy) and run with the silu and the
 product as GEMM epilogues, as the dense GatedMLP does; this torch path reads the counts on
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model.cpu_linear import GatedMLP, prepack
+from radixserve.model.layers.moe_pages import to_huge_pages
 from radixserve.model.layers.moe_spec import MoESpec
 from radixserve.model.layers.moe_types import Experts, ExpertsKernel, SharedExpert
 from radixserve.model.layers.moe_types import Routing as Routing  # re-exported: its home was here
@@ -235,6 +237,9 @@ class MoEBlock:
             self.gate_up, gate_up_scale = quantize_experts(weights.gate_up)
             self.down, down_scale = quantize_experts(weights.down)
             self.scales = (gate_up_scale, down_scale)
+        if self.native is not None:  # the op streams these every decode step: 2 MB pages
+            assert self.gate_up is not None and self.down is not None
+            self.gate_up, self.down = to_huge_pages(self.gate_up), to_huge_pages(self.down)
         # stacked, packed (the same size) or int8 codes with their scales
         held = (weights.gate_up, weights.down) if self.scales is None else (
             self.gate_up, self.down, *self.scales)

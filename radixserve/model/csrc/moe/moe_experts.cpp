@@ -20,9 +20,10 @@
 //   2. down: per task (expert, 64 hidden channels): y (P, D) fp32 = w_pair * (h @ down_e.T).
 //   3. per token: the sum of its pairs' rows in ascending expert order, in x's dtype.
 //
-// The GEMMs (moe_tiles.h) are dot products along the weight rows (the stacked layout, no
-// repacking): a micro tile of 4 output channels x up to 4 rows, each weight vector loaded
-// once per row tile (a decode step's rows all fit one tile). bf16 weights are widened by a
+// The GEMMs (moe_tiles.h, moe_rows.h) are dot products along the weight rows (the stacked
+// layout, no repacking): at up to 8 rows per expert (decode) each weight row streamed alone
+// for all the rows (one sequential read per thread), above that a micro tile of 4 output
+// channels x up to 4 rows, each weight vector loaded once per row tile. bf16 weights are widened by a
 // shift; on AVX512-BF16 a bf16 layer multiplies bf16 pairs with vdpbf16ps (x and h kept in
 // bf16: the products are exact).
 #include <torch/library.h>
@@ -36,13 +37,13 @@
 #include <vector>
 
 #include "moe_grouping.h"
-#include "moe_tiles.h"
+#include "moe_rows.h"
 
 namespace {
 
 using radixserve_bf16::bf16_t;
 using radixserve_moe::combine;
-using radixserve_moe::gemm_rows;
+using radixserve_moe::gemm_any;
 using radixserve_moe::group_pairs;
 using radixserve_moe::Grouping;
 using radixserve_moe::silu_mul;
@@ -70,8 +71,8 @@ void gate_up_phase(const XT* x, const Grouping& g, const WT* gate_up, const floa
       for (int64_t r0 = g.offsets[e]; r0 < g.offsets[e + 1]; r0 += ROW_CHUNK) {
         const int64_t n = std::min(ROW_CHUNK, g.offsets[e + 1] - r0);
         for (int64_t i = 0; i < n; ++i) rows[i] = x + g.token[r0 + i] * D;
-        gemm_rows(rows, n, gw, gs, nch, D, gb, GU_BLOCK);
-        gemm_rows(rows, n, uw, us, nch, D, ub, GU_BLOCK);
+        gemm_any(rows, n, gw, gs, nch, D, gb, GU_BLOCK);
+        gemm_any(rows, n, uw, us, nch, D, ub, GU_BLOCK);
         for (int64_t i = 0; i < n; ++i)
           silu_mul(gb + i * GU_BLOCK, ub + i * GU_BLOCK, nch, round, h + (r0 + i) * F + c0);
       }
@@ -95,7 +96,7 @@ void down_phase(const HT* h, const Grouping& g, const WT* down, const float* sca
       for (int64_t r0 = g.offsets[e]; r0 < g.offsets[e + 1]; r0 += ROW_CHUNK) {
         const int64_t n = std::min(ROW_CHUNK, g.offsets[e + 1] - r0);
         for (int64_t i = 0; i < n; ++i) rows[i] = h + (r0 + i) * F;
-        gemm_rows(rows, n, dw, ds, nch, F, y + r0 * D + c0, D);
+        gemm_any(rows, n, dw, ds, nch, F, y + r0 * D + c0, D);
         for (int64_t i = 0; i < n; ++i) {
           float* yr = y + (r0 + i) * D + c0;
           const float w = g.weight[r0 + i];

@@ -35,9 +35,14 @@ inline float round_bf16(float v) {
 // The weight rows stream from memory once per step; a prefetch `pf` elements ahead (the
 // quads two ahead: the next rows of the same block) keeps that stream in flight while the
 // current quad computes. A prefetch past the block's end is harmless (it never faults).
+// Into L2 (locality 2: prefetcht1), not L1: an L1 prefetch holds one of the core's few L1
+// miss buffers for the whole trip from memory, which capped the stream at about 6 GB/s per
+// core here (Zen 4, a decode step's ~2 rows per expert); into L2 the same distance streams
+// at ~11 GB/s per core, and the quad's loads then hit L2 (bench/README.md, "Mixture of
+// experts on CPU").
 template <typename WT>
 inline void prefetch(const WT* p) {
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, 2);
 }
 
 // ---- micro tile: out[r * NR + c] = sum_k x[r][k] * w[c][k], r < mr ----
