@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
 
 import torch
 
+from radixserve.platform.huge_pages import HUGE_PAGE, thp_mode
+
 ENV_HUGE_PAGES = "RADIXSERVE_MOE_HUGE_PAGES"  # "0": leave the expert weights on 4 KB pages
-HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def thp_available() -> bool:
     """Whether madvise(MADV_HUGEPAGE) can get 2 MB pages here: Linux with THP not `never`."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        return "[never]" not in _THP_MODE.read_text()
-    except OSError:
-        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
 def huge_pages_apply(t: torch.Tensor) -> bool:
