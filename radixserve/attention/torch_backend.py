@@ -17,7 +17,7 @@ drafts to verify) goes instead to the native paged kernel (cpu_kernels.py) when 
 was given it: one kernel row per new token, its own causal range read in place, then the groups
 merged as above;
 long prefill chunks likewise go to the native causal prefill kernel when given (varlen.py).
-The split and the plan (indices, mask) are built once per forward and reused by every layer
+The split and the plan (indices, mask; cascade_plan.py) are built once per forward and reused by every layer
 (one plan per sliding window the forward's layers use).
 A sliding window (attention/base.py) skips the shared groups (a window may end inside a shared
 prefix) and starts each request's own part at its first query's window; the masks and the native
@@ -46,6 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionMetadata, check_window_softcap, window_start
+from radixserve.attention.cascade_plan import (
+    CascadePlan,
+    DecodePlan,
+    Group,
+    make_decode_plan,
+    make_plan,
+)
 from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention, cap_scores
 from radixserve.attention.kv_quant import KVScale, store
 from radixserve.attention.kv_read import KVReader, Scratch
@@ -55,10 +62,8 @@ from radixserve.attention.varlen import (
     attend_positions,
     merge_outputs,
     split_batch,
-    token_offsets,
 )
 
-MAX_PADDED_ELEMENTS = 1 << 22  # B * max_new * max_own; past it the padding costs too much
 # Up to this many new tokens per request the paged decode kernel runs one row per token
 # (each reads its request's keys again) rather than the cascade gathering a padded copy of
 # every request's keys per layer and masking it. One layer, 32 requests x 550-token context,
@@ -103,127 +108,6 @@ class _Limits:
     softcap: float | None
 
 
-@dataclass
-class _Group:
-    token_rows: torch.Tensor | None  # (N,) rows of q of the group's tokens; None: all tokens
-    slots: torch.Tensor  # (S,) the shared prefix
-    first_slot: int | None  # set when the slots are consecutive: a view replaces the gather
-
-    def keys(self, cache: torch.Tensor, reader: KVReader, key: str) -> torch.Tensor:
-        """(S, Hkv, D): a view where the slots are consecutive, else a gather."""
-        if self.first_slot is not None:
-            return reader.narrow(cache, self.first_slot, self.slots.shape[0], key)
-        return reader.gather(cache, self.slots, key)
-
-
-@dataclass
-class _Plan:
-    """Indices and mask of one forward, shared by all layers."""
-
-    num_reqs: int  # B
-    max_new: int  # Nq: padded new tokens per request
-    own_len: int  # Lo: padded own keys per request
-    q_rows: torch.Tensor | None  # (B * Nq,) row of q of each padded query; None: no padding
-    out_rows: torch.Tensor | None  # (T,) padded row of each token; None: no padding
-    own_slots: torch.Tensor  # (B * Lo,) slots of each request's own part (clamped, valid)
-    mask: torch.Tensor | None  # (B, 1, Nq * G, Lo) additive; None: nothing to mask
-    groups: list[_Group]
-
-
-def _make_plan(meta: AttentionMetadata, group_size: int, dtype: torch.dtype,
-               window: int | None) -> _Plan | None:
-    """The padded cascade plan, or None for one SDPA call per request. With a window (meta
-    without groups), each request's own part starts at its first query's window."""
-    B, dev = meta.batch_size, meta.rows.device
-    starts_cpu = meta.own_start_cpu or (0,) * B
-    starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
-    if window is not None:
-        starts_cpu = tuple(window_start(p, window) for p in meta.prefix_lens_cpu)
-        starts = (meta.prefix_lens.long() - (window - 1)).clamp(min=0)
-    nq = meta.max_extend_len
-    own_lens = [p + n - s for p, n, s in
-                zip(meta.prefix_lens_cpu, meta.extend_lens_cpu, starts_cpu, strict=True)]
-    own_len = max(own_lens)
-    if (B == 1 and not meta.shared) or (B * nq * own_len > MAX_PADDED_ELEMENTS and B > 1):
-        return None
-    j = torch.arange(nq, device=dev)
-    q_valid = j[None, :] < meta.extend_lens[:, None]  # (B, Nq)
-    padded = any(n != nq for n in meta.extend_lens_cpu)
-    q_rows = out_rows = None
-    if padded:
-        q_rows = torch.where(q_valid, meta.cu_extend[:-1, None] + j[None, :], 0).flatten()
-        out_rows = q_valid.flatten().nonzero().squeeze(1)  # (T,)
-    k_pos = starts[:, None] + torch.arange(own_len, device=dev)  # (B, Lo)
-    mask = None
-    if nq > 1 or any(n != own_len for n in own_lens):
-        q_pos = meta.prefix_lens[:, None] + j[None, :]  # (B, Nq) absolute positions
-        keep = k_pos[:, None, :] <= q_pos[:, :, None]  # (B, Nq, Lo): causal; also < seq_len
-        if window is not None:
-            keep &= k_pos[:, None, :] > q_pos[:, :, None] - window
-        keep |= ~q_valid[:, :, None]  # padded queries attend to everything (output dropped)
-        keep = keep[:, None, :, None, :].expand(B, 1, nq, group_size, own_len)
-        zero = torch.zeros((), dtype=dtype, device=dev)
-        mask = torch.where(keep, zero, float("-inf")).reshape(B, 1, nq * group_size, own_len)
-    k_pos = k_pos.clamp(max=meta.slot_table.shape[1] - 1)
-    own_slots = meta.slot_table[meta.rows[:, None], k_pos].flatten()  # (B * Lo,) int32
-    return _Plan(B, nq, own_len, q_rows, out_rows, own_slots, mask, _groups(meta))
-
-
-@dataclass
-class _DecodePlan:
-    """Decode tokens and short chunks for the native kernel (one row per new token): keys
-    read in place through the slot table."""
-
-    slot_table: torch.Tensor  # (R, Lmax) int32
-    rows: torch.Tensor  # (T,) int64: each new token's table row
-    starts: torch.Tensor  # (T,) int64: first position of its request's own part
-    seq_lens: torch.Tensor  # (T,) int64: its position + 1 (the end of its causal range)
-    groups: list[_Group]
-
-
-def _make_decode_plan(meta: AttentionMetadata, window: int | None) -> _DecodePlan:
-    """One kernel row per new token: token j of request b is at position prefix_b + j and
-    attends to [own_start_b, prefix_b + j + 1), which is causal attention (the forward stored
-    every new token's K/V in the pool before attending). The groups' prefixes end at or before
-    prefix_b (tree pages are computed), so every token sees all of its group's. A decode step
-    is the case of one token per request (built once per forward, not per layer). A window
-    (meta without groups) raises each token's start to its position + 1 - window."""
-    starts = meta.own_start if meta.own_start is not None else torch.zeros_like(meta.rows)
-    T = sum(meta.extend_lens_cpu)
-    if T == meta.batch_size:  # a decode step, one token each: the per-request rows as they are
-        ends = meta.seq_lens.long()  # (B,) its position + 1
-        if window is not None:
-            starts = torch.maximum(starts.long(), (ends - window).clamp(min=0))
-        return _DecodePlan(meta.slot_table, meta.rows.long(), starts.long(), ends,
-                           _groups(meta))
-    ext = meta.extend_lens.long()
-
-    def per_token(x: torch.Tensor) -> torch.Tensor:  # (B,) -> (T,)
-        return torch.repeat_interleave(x.long(), ext, output_size=T)
-
-    j = torch.arange(T, device=ext.device) - per_token(meta.cu_extend[:-1])  # (T,)
-    ends = per_token(meta.prefix_lens) + j + 1
-    token_starts = per_token(starts)
-    if window is not None:
-        token_starts = torch.maximum(token_starts, (ends - window).clamp(min=0))
-    return _DecodePlan(meta.slot_table, per_token(meta.rows), token_starts, ends, _groups(meta))
-
-
-def _groups(meta: AttentionMetadata) -> list[_Group]:
-    groups = []
-    cu = token_offsets(meta.extend_lens_cpu)
-    for g in meta.shared:
-        members = g.members_cpu or tuple(g.members.tolist())
-        token_rows = None
-        if len(members) < meta.batch_size:
-            rows = [r for b in members for r in range(cu[b], cu[b + 1])]
-            token_rows = torch.tensor(rows, dtype=torch.int64, device=meta.rows.device)
-        # A prefix computed in one prefill usually got consecutive slots from the allocator;
-        # the runner tells (host side), so planning needs no device sync.
-        groups.append(_Group(token_rows, g.slots, g.first_slot))
-    return groups
-
-
 class TorchAttentionBackend:
     """paged_decode: the native CPU kernel (cpu_kernels.load_paged_decode()) for decode tokens
     and short chunks (drafts to verify); prefill: cpu_kernels.load_prefill_attention() for
@@ -238,13 +122,13 @@ class TorchAttentionBackend:
         self._plan_meta: AttentionMetadata | None = None
         self._split: Split | None = None
         # of the short requests (split.short_meta), per sliding window (None: causal)
-        self._plans: dict[int | None, _Plan | _DecodePlan | None] = {}
+        self._plans: dict[int | None, CascadePlan | DecodePlan | None] = {}
         self.scratch = Scratch()
         self.paged_decode = paged_decode
         self.prefill = prefill
 
     def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor,
-                    window: int | None) -> _Plan | _DecodePlan | None:
+                    window: int | None) -> CascadePlan | DecodePlan | None:
         # Decode tokens and short chunks through the kernel: it reads each request's keys in
         # place, where the cascade gathers them into a padded block per layer first (a copy
         # as large as the keys) and then runs flash over it.
@@ -252,8 +136,8 @@ class TorchAttentionBackend:
             meta = dataclasses.replace(meta, shared=(), own_start=None, own_start_cpu=())
         if (self.paged_decode is not None and meta.max_extend_len <= SHORT_QUERY_MAX
                 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)):
-            return _make_decode_plan(meta, window)
-        return _make_plan(meta, q.shape[1] // k.shape[1], q.dtype, window)
+            return make_decode_plan(meta, window)
+        return make_plan(meta, q.shape[1] // k.shape[1], q.dtype, window)
 
     def forward(
         self,
@@ -301,12 +185,12 @@ class TorchAttentionBackend:
         plan = self._plans[lim.window]
         if plan is None:
             return self._per_request(q, k_cache, v_cache, meta, scale, reader, lim)
-        if isinstance(plan, _DecodePlan):
+        if isinstance(plan, DecodePlan):
             return self._decode_native(q, k_cache, v_cache, plan, scale, reader, lim.softcap)
         return self._cascade(q, k_cache, v_cache, plan, scale, reader, lim.softcap)
 
     def _decode_native(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       plan: _DecodePlan, scale: float, reader: KVReader,
+                       plan: DecodePlan, scale: float, reader: KVReader,
                        softcap: float | None) -> torch.Tensor:
         """Each request's own part by the native kernel, then its shared group merged in."""
         assert self.paged_decode is not None
@@ -323,7 +207,7 @@ class TorchAttentionBackend:
         return out.reshape(T, Hq, D)
 
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 plan: _Plan, scale: float, reader: KVReader, softcap: float | None
+                 plan: CascadePlan, scale: float, reader: KVReader, softcap: float | None
                  ) -> torch.Tensor:
         T, Hq, D = q.shape
         Hkv = k_cache.shape[1]
@@ -344,7 +228,7 @@ class TorchAttentionBackend:
         return out.reshape(T, Hq, D)
 
     @staticmethod
-    def _merge_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
+    def _merge_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Group,
                      out: torch.Tensor, lse: torch.Tensor, scale: float, reader: KVReader,
                      softcap: float | None) -> torch.Tensor:
         """Attend the group's tokens to its shared prefix and merge into `out` (T, Hkv, G, D)
