@@ -2,48 +2,43 @@
 
 Owns: `Linear` (y = x @ W.T + bias, optionally plus a residual), `GateUp` (SwiGLU's gate and
 up with the silu and product fused), `GatedMLP` (SwiGLU with the residual add, MoE's shared
-expert), the choice between the skinny op, oneDNN's prepacked weights and plain `F.linear`, and
-`make_linear`, which also hands out quant.py's Int8Linear. Does not know: the model's layers
-(llama.py), configs, attention.
+expert), the choice between the panel GEMM, oneDNN's prepacked weights and plain `F.linear`,
+and `make_linear`, which also hands out quant.py's Int8Linear. Does not know: the model's
+layers (llama.py), configs, attention.
 
-Prepacked (CPU, fp32 or bf16 where oneDNN has it, when the skinny op below is unavailable: its
-build failed, or RADIXSERVE_NO_CPU_KERNELS=1): every weight is reordered once, at load,
-into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and multiplied with
-`mkldnn._linear_pointwise`, whose epilogues also fuse SwiGLU's silu and product and the
-residual adds. The packed tensor replaces the plain weight: one copy in memory. It is
-faster than `F.linear` on the same weights for decode steps and prefill chunks, fp32 and
-bf16 (figures: bench/README.md). fp32 results differ from `F.linear`'s in the last bits
-(another accumulation order, ~5e-6 absolute on unit-scale outputs); the greedy tokens of the
-HF parity tests stay identical (tests/model/test_parity.py runs with it on).
-Plain `F.linear` where prepacking does not apply: CUDA, other dtypes, a torch build without
-oneDNN (or bf16 support in it), or `prepack=False`.
-
-Skinny (CPU, fp32 or bf16, opted in with RADIXSERVE_CPU_SKINNY_GEMM=1 where the native op
-builds: model/skinny_kernel.py says what it trades): a decode step
-of at most skinny_kernel.MAX_ROWS rows runs our own GEMM on the plain (N, K) weight, which
-streams the weight at the memory's bandwidth where oneDNN's M=1 product reaches about half of
-it; more rows (prefill) run oneDNN's GEMM on that same plain tensor (the weight is not
-prepacked: still one copy in memory, and a tied LM head shares the embedding's). Each row of
-the skinny op is computed the same way at any row count (batch invariance).
+Panel (CPU, fp32 or bf16, the default where the native op builds: model/panel_kernel.py): every
+weight is packed once, at load, into panels of output channels that a decode step streams at
+the memory's bandwidth and a prefill tile reuses from cache; our GEMM multiplies it at every
+row count, with the bias, the residual add and SwiGLU's silu and product as its epilogue. The
+packed tensor replaces the plain weight: one copy in memory. Against oneDNN's prepacked
+layout it is about 2x faster for one row (a decode step at batch 1), faster up to ~64 rows
+and level at 256 (bench/README.md, "The panel GEMM"). Each row's sum is in one fixed order,
+so a row's bits do not depend on the batch (batch invariance). fp32 results differ from
+`F.linear`'s in the last bits (another accumulation order); the greedy tokens of the HF
+parity tests stay identical (tests/model/test_parity.py runs with it on).
+Prepacked (CPU, fp32 or bf16 where oneDNN has it, when the panel op is unavailable: its build
+failed, RADIXSERVE_NO_CPU_KERNELS=1, or RADIXSERVE_CPU_PANEL_GEMM=0): every weight is
+reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and multiplied
+with `mkldnn._linear_pointwise`, whose epilogues also fuse SwiGLU's silu and product and the
+residual adds.
+Plain `F.linear` where neither applies: CUDA, other dtypes, a torch build without oneDNN (or
+bf16 support in it), or `prepacked=False`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.model.int8_kernel import Int8Gemm
+from radixserve.model.panel_kernel import PanelOp, load_panel_op, pack, pack_gated
 from radixserve.model.quant import Int8Linear
-from radixserve.model.skinny_kernel import (
-    MAX_ROWS,
-    SkinnyLinear,
-    load_skinny_linear,
-    skinny_enabled,
-)
 
 PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; any row count works
+ENV_PANEL = "RADIXSERVE_CPU_PANEL_GEMM"  # "0": oneDNN's prepacked weights instead
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -71,110 +66,105 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-Skinny = SkinnyLinear | None | Literal["load"]  # the op, none, or load it at this tier
+Panel = PanelOp | None | Literal["load"]  # the op, none, or load it at this tier
 
 
-def skinny_op(weight: torch.Tensor, prepacked: bool, skinny: Skinny) -> SkinnyLinear | None:
-    """The skinny op for this weight (None: the prepacked or plain path)."""
-    if not prepacked or weight.device.type != "cpu" or weight.dtype not in (torch.float32,
-                                                                            torch.bfloat16):
+def load_default_panel(device: torch.device) -> PanelOp | None:
+    """The panel op for a model's float linears on `device`: CPU, unless opted out."""
+    if device.type != "cpu" or os.environ.get(ENV_PANEL, "").strip() == "0":
         return None
-    if skinny == "load":
-        return load_skinny_linear() if skinny_enabled() else None
-    return skinny
+    return load_panel_op()
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                   onednn: bool, act: str = "none") -> torch.Tensor:
-    """x @ w.T (+ bias), then act ("none" or "swish"): oneDNN's GEMM on the plain weight
-    where it takes the dtype, else torch's."""
-    if onednn:
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, bias, act, [], "")
-        return y
-    y = F.linear(x, w, bias)
-    return F.silu(y) if act == "swish" else y
+def panel_op(weight: torch.Tensor, enabled: bool, panel: Panel) -> PanelOp | None:
+    """The panel op for this weight (None: the prepacked or plain path)."""
+    if not enabled or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_default_panel(weight.device) if panel == "load" else panel
 
 
 class Linear:
     """y = x @ weight.T (+ bias), optionally plus a residual (as the GEMM's epilogue)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 prepacked: bool = True, skinny: Skinny = "load") -> None:
+                 prepacked: bool = True, panel: Panel = "load") -> None:
         self.bias = bias if bias is None else bias.contiguous()
-        self.skinny = skinny_op(weight, prepacked, skinny)
-        # NOTE: one copy in memory: the plain weight (skinny) or the packed one replacing it.
-        self.packed = None if self.skinny is not None else prepack(weight, prepacked)
-        self.weight = weight.contiguous() if self.packed is None else None
-        self.onednn = self.skinny is not None and can_prepack(weight.device, weight.dtype)
+        self.out_features = weight.shape[0]
+        self.panel = panel_op(weight, prepacked, panel)
+        # NOTE: one copy in memory: the panels, oneDNN's packed weight or the plain one.
+        self.panels = None if self.panel is None else pack(weight, self.panel.width)
+        self.bias32 = None if self.panel is None or bias is None else bias.float().contiguous()
+        self.packed = None if self.panel is not None else prepack(weight, prepacked)
+        plain = self.panels is None and self.packed is None
+        self.weight = weight.contiguous() if plain else None
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.weight) + _nbytes(self.bias)
+        tensors = (self.panels, self.packed, self.weight, self.bias)
+        return sum(_nbytes(t) for t in tensors) + _nbytes(self.bias32)
 
-    def _skinny(self, x: torch.Tensor) -> bool:
-        return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+    def _panel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        assert self.panel is not None and self.panels is not None
+        x2 = x.reshape(-1, x.shape[-1])  # (M, in): leading dims flattened
+        r2 = None if residual is None else residual.reshape(-1, self.out_features)
+        y = self.panel.linear(x2, self.panels, self.out_features, self.bias32, r2, False)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        if self.panel is not None:
+            return self._panel(x, None)
         if self.packed is not None:
             y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
                                                                  "none", [], "")
             return y
         assert self.weight is not None
-        if self._skinny(x):
-            assert self.skinny is not None
-            return self.skinny(x, self.weight, self.bias, None, None)
-        if self.skinny is not None:
-            return _onednn_linear(x, self.weight, self.bias, self.onednn)
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T (+ bias); (M, out)."""
-        operand = self.packed if self.packed is not None else self.weight
-        if self._skinny(x) and residual.dtype == x.dtype and residual.is_contiguous():
-            assert self.skinny is not None and self.weight is not None
-            return self.skinny(x, self.weight, self.bias, residual, None)
-        if self.packed is not None or self.onednn:
+        if self.panel is not None and residual.dtype == x.dtype and residual.is_contiguous():
+            return self._panel(x, residual)
+        if self.packed is not None:
             y: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual, operand, self.bias, "add")
+                x, residual, self.packed, self.bias, "add")
             return y
         return residual + self(x)
 
 
 class GateUp:
     """silu(x @ gate.T) * (x @ up.T), (M, hidden) -> (M, inter): SwiGLU's two projections and
-    its product. Skinny: one call of the op for a decode step, and oneDNN's GEMMs on the plain
-    halves (their epilogues apply the silu and the product) for more rows; else the halves
-    prepacked for oneDNN. `make` returns None where neither applies (the MLP then runs one
-    gate_up GEMM and torch's activation)."""
+    its product. Panel: one call of the op on the interleaved gate and up panels; else the
+    halves prepacked for oneDNN, whose epilogues apply the silu and the product. `make`
+    returns None where neither applies (the MLP then runs one gate_up GEMM and torch's
+    activation)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, skinny: SkinnyLinear | None,
-                 onednn: bool) -> None:
-        self.gate, self.up, self.skinny, self.onednn = gate, up, skinny, onednn
+    def __init__(self, inter: int, panels: torch.Tensor | None = None, op: PanelOp | None = None,
+                 gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> None:
+        self.inter, self.panels, self.op, self.gate, self.up = inter, panels, op, gate, up
 
     @classmethod
-    def make(cls, gate_up: torch.Tensor, skinny: Skinny = "load") -> GateUp | None:
+    def make(cls, gate_up: torch.Tensor, panel: Panel = "load") -> GateUp | None:
         inter = gate_up.shape[0] // 2
-        op = skinny_op(gate_up, True, skinny)
-        if op is not None:  # contiguous halves of the one plain tensor
-            gate_up = gate_up.contiguous()
-            return cls(gate_up[:inter], gate_up[inter:], op,
-                       can_prepack(gate_up.device, gate_up.dtype))
+        op = panel_op(gate_up, True, panel)
+        if op is not None:
+            return cls(inter, pack_gated(gate_up[:inter], gate_up[inter:], op.width), op)
         gate, up = prepack(gate_up[:inter]), prepack(gate_up[inter:])
-        return None if gate is None or up is None else cls(gate, up, None, True)
+        return None if gate is None or up is None else cls(inter, gate=gate, up=up)
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.gate) + _nbytes(self.up)
+        return _nbytes(self.panels) + _nbytes(self.gate) + _nbytes(self.up)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            return self.skinny(x, self.gate, None, None, self.up)
-        act = _onednn_linear(x, self.gate, None, self.onednn, "swish")  # silu(x @ gate.T)
-        if self.onednn:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
-                x, act, self.up, None, "mul")  # (x @ up.T) * act
-            return out
-        return F.linear(x, self.up) * act
+        if self.op is not None:
+            assert self.panels is not None
+            x2 = x.reshape(-1, x.shape[-1])  # (M, hidden)
+            y = self.op.linear(x2, self.panels, self.inter, None, None, True)
+            return y.view(*x.shape[:-1], self.inter)
+        lp = torch.ops.mkldnn._linear_pointwise
+        act = lp(x, self.gate, None, "swish", [], "")  # silu(x @ gate.T): (M, inter)
+        out: torch.Tensor = lp.binary(x, act, self.up, None, "mul")  # (x @ up.T) * act
+        return out
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None,

@@ -81,13 +81,13 @@ SAMPLING = NativeExtension(
     "CPU greedy sampling kernel", ("greedy_argmax",), cflags=("-O3", "-fopenmp"))
 
 # No -ffast-math: each output's sum is in the order written, the same for every batch size
-SKINNY_GEMM = NativeExtension(
-    "radixserve_skinny_gemm", (_MODEL / "skinny_gemm.cpp",), "CPU skinny (decode) GEMM kernel",
-    ("skinny_linear",), cflags=("-O3", "-fopenmp", "-ffp-contract=off"),
+PANEL_GEMM = NativeExtension(
+    "radixserve_panel_gemm", (_MODEL / "panel_gemm.cpp",), "CPU panel GEMM kernel",
+    ("panel_linear", "panel_width"), cflags=("-O3", "-fopenmp", "-ffp-contract=off"),
     header_dirs=(_ATTN,))  # bf16_access.h
 
 EXTENSIONS: tuple[NativeExtension, ...] = (ATTENTION, INT8_GEMM, NORM_ROPE, QUANT_GEMM,
-                                           MOE_EXPERTS, SAMPLING, SKINNY_GEMM)
+                                           MOE_EXPERTS, SAMPLING, PANEL_GEMM)
 # What every source above includes: --check-builds precompiles it once per tier
 PRELUDE = ("ATen/ATen.h",)
 

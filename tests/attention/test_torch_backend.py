@@ -205,10 +205,10 @@ def test_prepacked_linear_and_fused_mlp_match_f_linear(dtype: torch.dtype, tol: 
     if torch._C._has_mkldnn and (
             dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         assert can_prepack(w.device, dtype)
-        # the fast paths are under test, each with one copy of the weights: the plain one
-        # (the skinny op's and oneDNN's) or the prepacked one replacing it
-        assert (lin.packed is None) == (lin.skinny is not None)
-        assert (lin.weight is None) == (lin.skinny is None)
+        # the fast paths are under test, each with one copy of the weights: the panels or
+        # oneDNN's prepacked one (RADIXSERVE_CPU_PANEL_GEMM=0, or the op unavailable)
+        assert (lin.packed is None) == (lin.panels is not None)
+        assert lin.weight is None
         assert mlp.gate is not None and mlp.up is not None and mlp.gate_up is None
         assert lin.nbytes == w.numel() * w.element_size()
     for m in (1, 7, 32, 300):

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.model.cpu_linear import Linear
+from radixserve.model.cpu_linear import ENV_PANEL, Linear
 from radixserve.model.families.registry import read_model_spec
-from radixserve.model.skinny_kernel import ENV_SKINNY
 from radixserve.model.weight_memory import (
     ENV_HUGE_PAGES,
     MIN_BYTES,
@@ -51,9 +50,9 @@ def test_loaded_fp32_weights_leave_the_checkpoint_mapping(wide_model: Path) -> N
 
 def test_walk_finds_plain_and_prepacked_weights_once() -> None:
     big = torch.randn(1024, 256)  # 1 MB
-    plain = Linear(big, torch.randn(1024), prepacked=False, skinny=None)
-    packed = Linear(torch.randn(512, 256), prepacked=True, skinny=None)
-    small = Linear(torch.randn(16, 16), prepacked=False, skinny=None)
+    plain = Linear(big, torch.randn(1024), prepacked=False, panel=None)
+    packed = Linear(torch.randn(512, 256), prepacked=True, panel=None)
+    small = Linear(torch.randn(16, 16), prepacked=False, panel=None)
     ranges = weight_ranges([plain, {"again": plain, "tied": big}, (packed, small)])
     assert (big.data_ptr(), big.numel() * 4) in ranges
     expected = [tensor_range(big)]
@@ -77,7 +76,7 @@ def test_views_cover_their_extent() -> None:
 def test_never_falls_back_to_small_pages() -> None:
     w = torch.ones(1024, 1024)
     hg = [(m.start, m.end) for m in read_smaps() if "hg" in m.flags]  # earlier tests' too
-    pages = place_weights([Linear(w, prepacked=False, skinny=None)], mode="never")
+    pages = place_weights([Linear(w, prepacked=False, panel=None)], mode="never")
     assert pages is not None and pages.advice.advised == 0 and pages.huge == 0
     assert pages.describe().startswith("4 KB pages")
     assert [(m.start, m.end) for m in read_smaps() if "hg" in m.flags] == hg  # nothing advised
@@ -85,14 +84,14 @@ def test_never_falls_back_to_small_pages() -> None:
 
 def test_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_HUGE_PAGES, "0")
-    assert place_weights([Linear(torch.ones(1024, 1024), prepacked=False, skinny=None)]) is None
+    assert place_weights([Linear(torch.ones(1024, 1024), prepacked=False, panel=None)]) is None
 
 
 @pytest.mark.skipif(not THP_ON, reason="transparent huge pages off or not Linux")
-@pytest.mark.parametrize("skinny", ["0", "1"])
-def test_engine_weights_are_madvised_huge(wide_model: Path, skinny: str,
+@pytest.mark.parametrize("panel", ["0", "1"])
+def test_engine_weights_are_madvised_huge(wide_model: Path, panel: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_SKINNY, skinny)  # plain weights vs oneDNN's prepacked ones
+    monkeypatch.setenv(ENV_PANEL, panel)  # our panels vs oneDNN's prepacked weights
     llm = LLM(model=str(wide_model), dtype="float32", kv_cache_tokens=1024)
     try:
         runner = llm.engine.runner

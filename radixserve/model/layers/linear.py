@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from radixserve.model.cpu_linear import GateUp, Linear, Skinny
+from radixserve.model.cpu_linear import GateUp, Linear, Panel, load_default_panel
 from radixserve.model.int8_kernel import Int8Gemm, load_int8_gemm
 from radixserve.model.layers.norm import Residual
 from radixserve.model.quant import Int8Linear
@@ -24,7 +24,6 @@ from radixserve.model.quantization.config import QuantConfig
 from radixserve.model.quantization.cpu_kernel import load_quant_gemm
 from radixserve.model.quantization.methods import CheckpointMethod, Fp8Method
 from radixserve.model.quantization.qweight import LinearWeight
-from radixserve.model.skinny_kernel import load_skinny_linear, skinny_enabled
 
 if TYPE_CHECKING:
     from radixserve.parallel.comm import TPComm
@@ -55,28 +54,28 @@ class LinearMethod(Protocol):
         ...
 
     def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
-        """gate and up as the fused SwiGLU kernel (cpu_linear.GateUp: the skinny op for
-        decode, oneDNN's epilogues for prefill); None: this method has no such form, the MLP
-        runs one gate_up GEMM."""
+        """gate and up as the fused SwiGLU kernel (cpu_linear.GateUp: the panel GEMM, or
+        oneDNN's epilogues); None: this method has no such form, the MLP runs one gate_up
+        GEMM."""
         ...
 
 
 @dataclass(frozen=True)
 class FloatMethod:
-    """Weights in the model dtype: on CPU the skinny op for decode and oneDNN for prefill
-    (cpu_linear.py), else F.linear. `skinny`: the op loaded once for every layer."""
+    """Weights in the model dtype: on CPU the panel GEMM, or oneDNN's prepacked weights
+    (cpu_linear.py), else F.linear. `panel`: the op loaded once for every layer."""
 
     name: str = "float"
-    skinny: Skinny = "load"
+    panel: Panel = "load"
 
     def create(self, weight: LinearWeight, bias: torch.Tensor | None, *,
                prepacked: bool = True) -> LinearKernel:
         assert isinstance(weight, torch.Tensor), "quantized weights need their method"
-        return Linear(weight, bias, prepacked, self.skinny)
+        return Linear(weight, bias, prepacked, self.panel)
 
     def swiglu(self, gate_up: LinearWeight) -> GateUp | None:
         assert isinstance(gate_up, torch.Tensor)
-        return GateUp.make(gate_up, self.skinny)
+        return GateUp.make(gate_up, self.panel)
 
 
 @dataclass(frozen=True)
@@ -107,8 +106,7 @@ def linear_method(quantization: str | None, device: torch.device,
     if checkpoint is not None:
         return CheckpointMethod(checkpoint.method, device, qgemm())
     if quantization is None:
-        on = device.type == "cpu" and skinny_enabled()  # opt-in: skinny_kernel.py says why
-        return FloatMethod(skinny=load_skinny_linear() if on else None)
+        return FloatMethod(panel=load_default_panel(device))
     if quantization == "int8":
         # One load (or one failed build) of the int8 kernel for every layer, not one each.
         return Int8Method(load_int8_gemm() if device.type == "cpu" else None)

@@ -1,8 +1,8 @@
 """The gated MLP (SwiGLU or Gemma's GELU-tanh), and the FeedForward slot a MoE block fills.
 
 Owns: act(gate) * up then down, with each device's kernel: on CPU with float weights and
-SiLU, cpu_linear.GateUp (the skinny op for decode steps, oneDNN's GEMMs with the silu and the
-product as epilogues for prefill); on the fused path triton_kernels' silu_mul; else one
+SiLU, cpu_linear.GateUp (the panel GEMM, or oneDNN's GEMMs, with the silu and the product as
+epilogues); on the fused path triton_kernels' silu_mul; else one
 gate_up GEMM and torch.
 Does not know: configs, checkpoint names, the residual's layout (RowParallelLinear.into).
 """

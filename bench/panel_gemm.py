@@ -1,21 +1,21 @@
-"""The skinny GEMM against oneDNN's, per CPU tier, dtype and row count: where the bound goes.
+"""The panel GEMM against oneDNN's, per CPU tier, dtype and row count, decode to prefill.
 
 A stack of --layers decoder layers' linear weights in SmolLM2-135M's shapes (qkv 960 x 576,
 o 576 x 576, gate and up 1536 x 576 each, down 576 x 1536; 10 layers: 141 MB in fp32, far past
 the L3), multiplied layer after layer as a decode step does, so the weights come from memory.
 Per row count M: ms per pass over the stack and the weights' GB/s, for
-- skinny: model/skinny_kernel.py's op (the gate and up pair as its gated form),
+- panel: model/panel_kernel.py's op on the packed panels (the gate and up pair as its gated
+  form, the residual adds as its epilogue), the float linears' default,
 - onednn packed: `mkldnn._linear_pointwise` on weights reordered once (`_reorder_linear_weight`,
-  the path before the skinny op),
-- onednn plain: `_linear_pointwise` on the plain weights (the prefill path beside the op),
+  the path before the panel op, and where it does not build) with the same epilogues,
 - F.linear: torch's GEMM on the plain weights (the path where oneDNN lacks the dtype).
 The weights (plain and packed) sit in 2 MB pages as the engine's do (--pages 4k: the heap's
 4 KB pages, the engine before it advised them). Each tier runs in its own process with $RADIXSERVE_CPU_ISA and oneDNN's / ATen's dispatch
 capped alike (bench/decode_floor.py's caps); the variants alternate within each round.
 
-    python -m bench.skinny_gemm --num-threads 2 --tiers avx2,avx512,avx512_bf16
-    python -m bench.skinny_gemm --rows 1,8,16,128,512 --dtypes bfloat16
-    python -m bench.skinny_gemm --num-threads 1 --clock cpu   # on a shared, loaded machine
+    python -m bench.panel_gemm --num-threads 2 --tiers avx2,avx512,avx512_bf16
+    python -m bench.panel_gemm --rows 1,8,16,128,512 --dtypes bfloat16
+    python -m bench.panel_gemm --num-threads 1 --clock cpu   # on a shared, loaded machine
 
 Does not know: the engine (bench/decode_floor.py measures whole decode steps).
 """
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.decode_floor import ATEN_ISA, ONEDNN_ISA
-from radixserve.model.skinny_kernel import load_skinny_linear
+from radixserve.model.panel_kernel import load_panel_op, pack, pack_gated
 from radixserve.model.weight_memory import place_weights
 from radixserve.platform.cpu_isa import ENV_CPU_ISA
 
@@ -47,24 +47,27 @@ def variants(layers: list[dict[str, torch.Tensor]], pages: str
              ) -> dict[str, Callable[[torch.Tensor], None]]:
     """`pages` "2m": every weight (plain and packed) advised into 2 MB pages, as the engine's
     are (model/weight_memory.py); "4k": left in the heap's 4 KB pages."""
-    op = load_skinny_linear()
-    assert op is not None, "the skinny op did not build"
+    op = load_panel_op()
+    assert op is not None, "the panel op did not build"
     lp = torch.ops.mkldnn._linear_pointwise
     try:
         packed = [{n: torch.ops.mkldnn._reorder_linear_weight(w, 32) for n, w in layer.items()}
                   for layer in layers]
     except RuntimeError:  # no bf16 reorder below AVX-512 (the model then runs F.linear)
         packed = []
+    panels = [{"qkv": pack(w["qkv"], op.width), "o": pack(w["o"], op.width),
+               "gate_up": pack_gated(w["gate"], w["up"], op.width),
+               "down": pack(w["down"], op.width)} for w in layers]
     if pages == "2m":
-        place_weights([layers, packed])
+        place_weights([layers, packed, panels])
     hidden, inter = SHAPES["o"][0], SHAPES["gate"][0]
 
-    def skinny(x: torch.Tensor) -> None:
-        for w in layers:
-            op(x, w["qkv"], None, None, None)
-            op(x, w["o"], None, x, None)
-            act = op(x, w["gate"], None, None, w["up"])
-            op(act, w["down"], None, x, None)
+    def panel(x: torch.Tensor) -> None:
+        for w in panels:
+            op.linear(x, w["qkv"], SHAPES["qkv"][0], None, None, False)
+            op.linear(x, w["o"], hidden, None, x, False)
+            act = op.linear(x, w["gate_up"], inter, None, None, True)
+            op.linear(act, w["down"], hidden, None, x, False)
 
     def onednn(ws: list[dict[str, torch.Tensor]]) -> Callable[[torch.Tensor], None]:
         def run(x: torch.Tensor) -> None:
@@ -84,8 +87,10 @@ def variants(layers: list[dict[str, torch.Tensor]], pages: str
             act = F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"])
             x + F.linear(act, w["down"])
 
-    out = {"skinny": skinny, "onednn plain": onednn(layers), "F.linear": torch_linear}
-    return out if not packed else {**out, "onednn packed": onednn(packed)}
+    out: dict[str, Callable[[torch.Tensor], None]] = {"panel": panel, "F.linear": torch_linear}
+    if packed:
+        out["onednn packed"] = onednn(packed)
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -122,7 +127,7 @@ def main() -> None:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tiers", default="avx2,avx512,avx512_bf16")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--rows", default="1,2,4,8,12,16,32,128,512")
+    ap.add_argument("--rows", default="1,2,4,8,16,64,256,512")
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--num-threads", type=int, default=2)
@@ -143,7 +148,7 @@ def main() -> None:
         if tier in ATEN_ISA:
             env["ATEN_CPU_CAPABILITY"] = ATEN_ISA[tier]
         for dtype in args.dtypes.split(","):
-            cmd = [sys.executable, "-m", "bench.skinny_gemm", "--worker", "--tiers", tier,
+            cmd = [sys.executable, "-m", "bench.panel_gemm", "--worker", "--tiers", tier,
                    "--dtypes", dtype, "--rows", args.rows, "--layers", str(args.layers),
                    "--reps", str(args.reps), "--num-threads", str(args.num_threads),
                    "--clock", args.clock, "--pages", args.pages]
