@@ -1,5 +1,4 @@
-"""The panel GEMM for CPU linears: the weight layout it multiplies, packing into it, its op and
-its float64 reference.
+"""The panel GEMM for CPU linears: its weight layout, the packing, the op and its reference.
 
 Owns: `PanelOp` (csrc/panel_gemm.cpp's `panel_linear` and its panel width, loaded at the
 process's CPU tier: platform/kernels.py's PANEL_GEMM), `pack` / `pack_gated` (a weight (N, K)
