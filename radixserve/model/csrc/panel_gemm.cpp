@@ -1,12 +1,11 @@
 // The panel GEMM for CPU linears, decode and prefill alike: y (M, N) = x (M, K) @ W.T (+ bias)
 // (+ residual), or the gated form silu(x @ G.T) * (x @ U.T), with W in the panel layout of
 // panel_gemm.h (packed once at load: radixserve/model/panel_kernel.py). Work is split into
-// tasks of (one output panel, a chunk of rows of x): a decode step's tasks are the panels
-// alone, given to the threads in contiguous ranges (each thread streams its part of the
-// weight front to back once); a prefill's tasks visit a panel's row chunks one after the
-// other, so the panel is read from memory once and from cache for the rest. Each tile's fp32
-// sums pass through the epilogue (bias, residual, silu * up, one rounding to x's dtype)
-// before they are stored: the output is written once.
+// tasks of (a chunk of rows of x that fits L2, one output panel), chunk-major: a decode step
+// (one chunk) gives each thread a contiguous range of panels, so each thread streams its part
+// of the weight front to back once; a prefill thread keeps its chunk of x in L2 while the
+// panels pass. Each tile's fp32 sums go through the epilogue (bias, residual, silu * up, one
+// rounding to x's dtype) before they are stored: the output is written once.
 //
 // Numerics: fp32 accumulation in the order panel_gemm.h describes, the same for every M;
 // x float32 or bfloat16 (widened to fp32, or kept in bf16 for vdpbf16ps with bf16 weights on
@@ -33,8 +32,8 @@ using radixserve_panel::bf16_t;
 using radixserve_panel::kR;
 using radixserve_panel::Vec;
 
-constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes per decode task at least
-constexpr int64_t kChunkRows = 4 * Vec::kMR;  // rows of x per prefill task
+constexpr int64_t kTaskBytes = 64 * 1024;    // weight bytes per thread's share at least
+constexpr int64_t kChunkBytes = 256 * 1024;  // bytes of x per task (L2-resident)
 
 // One call's operands as raw pointers (weights of type Wt; residual and y of type Xt).
 template <typename Wt, typename Xt>
@@ -108,14 +107,19 @@ void task(const Call<Wt, Xt>& c, int64_t p, int64_t m0, int64_t m1) {
 
 template <typename Wt, typename Xt>
 void run(const Call<Wt, Xt>& c) {
-  const int64_t chunks = (c.M + kChunkRows - 1) / kChunkRows;
+  // Rows of x per task: a chunk of kChunkBytes stays in L2 while the task's panels stream by.
+  const int64_t x_row = c.ldx * static_cast<int64_t>(c.xb != nullptr ? sizeof(bf16_t) : 4);
+  const int64_t rows = std::max<int64_t>(1, kChunkBytes / x_row / Vec::kMR) * Vec::kMR;
+  const int64_t chunks = (c.M + rows - 1) / rows;
   const int64_t panel_bytes = c.panel_elems * static_cast<int64_t>(sizeof(Wt)) * (c.gated ? 2 : 1);
-  // One chunk (a decode step): enough panels per task to amortize it; else one task each.
-  const int64_t grain = chunks > 1 ? 1 : std::max<int64_t>(1, kTaskBytes / panel_bytes);
-  at::parallel_for(0, c.panels * chunks, grain, [&](int64_t i0, int64_t i1) {
+  // A task is (chunk, panel), chunk-major: a thread's range is one chunk (or a few) against
+  // consecutive panels, i.e. the weight streamed front to back; a decode step (one chunk)
+  // gives each thread a contiguous share of the panels, at least kTaskBytes of them.
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / panel_bytes);
+  at::parallel_for(0, chunks * c.panels, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m0 = i % chunks * kChunkRows;
-      task(c, i / chunks, m0, std::min(c.M, m0 + kChunkRows));
+      const int64_t m0 = i / c.panels * rows;
+      task(c, i % c.panels, m0, std::min(c.M, m0 + rows));
     }
   });
 }
