@@ -78,7 +78,12 @@ inline void epilogue(const Call<Wt, Xt>& c, float* a, const float* u, int64_t m,
                      int64_t nr) {
   const int64_t at = m * c.N + n0;
   if (c.gated) {
+#if RS_PANEL_AVX512 || RS_PANEL_AVX2
+    for (int r = 0; r < kR; r += Vec::L)  // a and u hold kR sums (the lanes past nr unused)
+      Vec::store(a + r, Vec::mul(radixserve_panel::silu(Vec::load(a + r)), Vec::load(u + r)));
+#else
     for (int64_t r = 0; r < nr; ++r) a[r] = silu(a[r]) * u[r];
+#endif
   } else {
     if (c.bias != nullptr) {
       const float* b = c.bias + n0;
