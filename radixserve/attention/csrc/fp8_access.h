@@ -172,15 +172,20 @@ struct Bf16Lut {
 #else
 #define RS_FP8_BF16_LUT 0
 #endif
-#if RS_FP8_AVX512
-// Rows `from` .. `to` of a slot list requested into L1 (`width` bytes from `base + slot *
-// stride`) ahead of their conversion: slots are scattered (pages), so the hardware prefetcher
-// cannot guess them.
+#if RS_FP8_AVX512 || RS_FP8_AVX2
+// Rows `from` .. `to` of a slot list requested ahead of their conversion (`width` bytes from
+// `base + slot * stride`): slots are scattered (pages), so the hardware prefetcher cannot guess
+// them. Hint: _MM_HINT_T0 (into L1) or _MM_HINT_T1 (into L2). On Zen 4 a block's burst of
+// prefetcht0 filled the L1's miss buffers and stalled the kernel at the prefetches; prefetcht1
+// of the same lines took the fp32-FMA kernel from ~70 to ~55 ns a key with the rows in order
+// and from ~125-165 to ~60-75 with them shuffled (bench/README.md, issue 38).
+template <int Hint = _MM_HINT_T0>
 inline void prefetch_rows(const uint8_t* base, int64_t stride, const int32_t* slots,
                           int64_t from, int64_t to, int64_t width) {
   for (int64_t j = from; j < to; ++j)
     for (int64_t c = 0; c < width; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * stride + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * stride + c),
+                   static_cast<_mm_hint>(Hint));
 }
 #endif
 // The element (within a block of 64) that Bf16Lut::words puts at word f of w0 | w1.

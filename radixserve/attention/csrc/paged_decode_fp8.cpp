@@ -103,12 +103,10 @@ void decode_one_fp8_blocked8(const T* q, const uint8_t* k, const uint8_t* v, con
   auto over_blocks = [&](const uint8_t* base, int64_t sstride, auto&& fn) {
     for (int64_t t0 = 0; t0 < len; t0 += BLK) {
       const int64_t n = std::min(BLK, len - t0);
-      // the next block's rows requested now: slots are scattered (pages), the hardware
-      // prefetcher cannot guess them, and this block's conversion hides their latency
-      for (int64_t j = t0 + BLK; j < std::min(t0 + 2 * BLK, len); ++j)
-        for (int64_t c = 0; c < row; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * sstride + c),
-                       _MM_HINT_T0);
+      // the next block's rows requested now (into L2: prefetch_rows), this block's conversion
+      // hides their latency
+      radixserve_fp8::prefetch_rows<_MM_HINT_T1>(base, sstride, slots, t0 + BLK,
+                                                 std::min(t0 + 2 * BLK, len), row);
       for (int64_t j = 0; j < n; ++j)
         for (int64_t c = 0; c < row; c += 16)
           radixserve_fp8::load16<F>(base + slots[t0 + j] * sstride + c, rf + j * row + c);
