@@ -71,12 +71,12 @@ inline int64_t permuted32(int64_t f) {
 
 #if !RS_FP8_AVX512 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define RS_FP8_AVX2 1
-// 16 bytes -> 16 fp32 values in order, e4m3 as 2^-8 of its value (times load_factor, as
-// widen32): each byte unpacked against zero into the high half of a 16-bit lane (e5m2:
-// fp16's bits; e4m3 shifted into fp16's fields alike), then vcvtph2ps per 8. At 128 bits the
-// unpacks keep the bytes' order: nothing to permute.
+// 16 bytes -> 16 fp32 values in order in two registers, e4m3 as 2^-8 of its value (times
+// load_factor, as widen32): each byte unpacked against zero into the high half of a 16-bit
+// lane (e5m2: fp16's bits; e4m3 shifted into fp16's fields alike), then vcvtph2ps per 8. At
+// 128 bits the unpacks keep the bytes' order: nothing to permute.
 template <Format F>
-inline void load16(const uint8_t* p, float* dst) {
+inline void widen16(const uint8_t* p, __m256& a, __m256& b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   __m128i lo = _mm_unpacklo_epi8(_mm_setzero_si128(), x);
   __m128i hi = _mm_unpackhi_epi8(_mm_setzero_si128(), x);
@@ -85,8 +85,16 @@ inline void load16(const uint8_t* p, float* dst) {
     lo = _mm_and_si128(_mm_srai_epi16(lo, 1), mask);
     hi = _mm_and_si128(_mm_srai_epi16(hi, 1), mask);
   }
-  _mm256_storeu_ps(dst, _mm256_cvtph_ps(lo));
-  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(hi));
+  a = _mm256_cvtph_ps(lo);
+  b = _mm256_cvtph_ps(hi);
+}
+// widen16 into dst[0..15].
+template <Format F>
+inline void load16(const uint8_t* p, float* dst) {
+  __m256 a, b;
+  widen16<F>(p, a, b);
+  _mm256_storeu_ps(dst, a);
+  _mm256_storeu_ps(dst + 8, b);
 }
 #else
 #define RS_FP8_AVX2 0
