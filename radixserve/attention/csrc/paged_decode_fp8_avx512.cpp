@@ -12,9 +12,10 @@
 // per KV head, each key's row is widened to fp32 in registers (widen32: fp16's fields, F16C;
 // no table, no gather, no store) and used there by up to GB query heads of that KV head's group,
 // whose q (times scale, k_scale and the format's factor) stays in registers: no FMA reads
-// memory. Scores: each (head, key) dot product folded to 8 lanes, 8 keys summed at once (sum8),
-// stored 16 at a time. P.V: the heads' accumulators in registers over the block, each key's
-// probability broadcast; v_scale applied once to the output. The rows' fp32 order is
+// memory. Scores: each key pair's 16-lane dot products folded at once, two pairs per 4 keys, 4
+// of those into the block's 16 scores (scores_block), stored 16 at a time. P.V: the heads'
+// accumulators in registers over the block, each key's probability broadcast; v_scale applied
+// once to the output. The rows' fp32 order is
 // widen32's (permuted32): q is permuted alike and the output back.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
