@@ -108,8 +108,8 @@ namespace radixserve_vec {
 
 // exp_ps's 8-lane form for the avx2 tier (the 8-lane helpers are also built at the AVX-512
 // tiers, for kernels that sum 8-lane partial dot products with sum8): the same reduction and
-// polynomial; 2^n built in the
-// exponent field (n + 127 >= 11 for x >= -80: always a normal float), as AVX2 has no vscalefps.
+// polynomial; 2^n built in the exponent field (n + 127 >= 11 for x >= -80: always a normal
+// float), as AVX2 has no vscalefps.
 inline __m256 exp256(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
