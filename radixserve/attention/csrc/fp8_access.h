@@ -71,12 +71,12 @@ inline int64_t permuted32(int64_t f) {
 
 #if !RS_FP8_AVX512 && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define RS_FP8_AVX2 1
-// 16 bytes -> 16 fp32 values in order, e4m3 as 2^-8 of its value (times load_factor, as
-// widen32): each byte unpacked against zero into the high half of a 16-bit lane (e5m2:
-// fp16's bits; e4m3 shifted into fp16's fields alike), then vcvtph2ps per 8. At 128 bits the
-// unpacks keep the bytes' order: nothing to permute.
+// 16 bytes -> 16 fp32 values in order in two registers, e4m3 as 2^-8 of its value (times
+// load_factor, as widen32): each byte unpacked against zero into the high half of a 16-bit
+// lane (e5m2: fp16's bits; e4m3 shifted into fp16's fields alike), then vcvtph2ps per 8. At
+// 128 bits the unpacks keep the bytes' order: nothing to permute.
 template <Format F>
-inline void load16(const uint8_t* p, float* dst) {
+inline void widen16(const uint8_t* p, __m256& a, __m256& b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   __m128i lo = _mm_unpacklo_epi8(_mm_setzero_si128(), x);
   __m128i hi = _mm_unpackhi_epi8(_mm_setzero_si128(), x);
@@ -85,8 +85,16 @@ inline void load16(const uint8_t* p, float* dst) {
     lo = _mm_and_si128(_mm_srai_epi16(lo, 1), mask);
     hi = _mm_and_si128(_mm_srai_epi16(hi, 1), mask);
   }
-  _mm256_storeu_ps(dst, _mm256_cvtph_ps(lo));
-  _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(hi));
+  a = _mm256_cvtph_ps(lo);
+  b = _mm256_cvtph_ps(hi);
+}
+// widen16 into dst[0..15].
+template <Format F>
+inline void load16(const uint8_t* p, float* dst) {
+  __m256 a, b;
+  widen16<F>(p, a, b);
+  _mm256_storeu_ps(dst, a);
+  _mm256_storeu_ps(dst + 8, b);
 }
 #else
 #define RS_FP8_AVX2 0
@@ -172,15 +180,20 @@ struct Bf16Lut {
 #else
 #define RS_FP8_BF16_LUT 0
 #endif
-#if RS_FP8_AVX512
-// Rows `from` .. `to` of a slot list requested into L1 (`width` bytes from `base + slot *
-// stride`) ahead of their conversion: slots are scattered (pages), so the hardware prefetcher
-// cannot guess them.
+#if RS_FP8_AVX512 || RS_FP8_AVX2
+// Rows `from` .. `to` of a slot list requested ahead of their conversion (`width` bytes from
+// `base + slot * stride`): slots are scattered (pages), so the hardware prefetcher cannot guess
+// them. Hint: _MM_HINT_T0 (into L1) or _MM_HINT_T1 (into L2). On Zen 4 a block's burst of
+// prefetcht0 filled the L1's miss buffers and stalled the kernel at the prefetches; prefetcht1
+// of the same lines took the fp32-FMA kernel from ~70 to ~55 ns a key with the rows in order
+// and from ~125-165 to ~60-75 with them shuffled (bench/README.md, issue 38).
+template <int Hint = _MM_HINT_T0>
 inline void prefetch_rows(const uint8_t* base, int64_t stride, const int32_t* slots,
                           int64_t from, int64_t to, int64_t width) {
   for (int64_t j = from; j < to; ++j)
     for (int64_t c = 0; c < width; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * stride + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * stride + c),
+                   static_cast<_mm_hint>(Hint));
 }
 #endif
 // The element (within a block of 64) that Bf16Lut::words puts at word f of w0 | w1.

@@ -79,10 +79,66 @@ void decode_one_fp8(const T* q, const uint8_t* k, const uint8_t* v, const Geomet
 }
 
 #if RS_FP8_AVX2 && RS_VEC_AVX2
-// decode_one_fp8_blocked for the avx2 tier (head dims multiple of 8), in blocks of 8 keys: the
-// block's rows converted once into L1 (load16, in order), each query head's 8 scores from 8
-// dot products of 8-lane FMAs summed by sum8, its output accumulators in registers over the
-// block's 8 values.
+// Scores of query heads h0 .. h0 + ng - 1 (ng <= 3) of KV head kh over one block of 8 keys
+// from t0 (n live; the rest repeat the last key and are not stored), into sc (hq, len): each
+// key's row widened into registers 16 values at a time (widen16, no store), the FMAs reading q
+// (qf: (hq, D)) from L1; each key pair's 8-lane dot products folded at once (hadd), two pairs
+// per 128-bit half (hadd), the block's two 4-key vectors into its 8 scores. 16 ymm hold it:
+// 6 accumulators, 3 pair and 3 quad folds, the widened values.
+template <int64_t D, Format F>
+void scores8(const uint8_t* k, int64_t sk, const int32_t* slots, int64_t t0, int64_t n,
+             int64_t kh, int64_t h0, int64_t ng, const float* qf, float* sc, int64_t len) {
+  constexpr int64_t G = 3;
+  __m256 quad[2][G];
+#pragma GCC unroll 2
+  for (int64_t p4 = 0; p4 < 2; ++p4) {
+    __m256 pair[2][G];
+#pragma GCC unroll 2
+    for (int64_t p2 = 0; p2 < 2; ++p2) {
+      __m256 acc[2][G];
+#pragma GCC unroll 2
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t j = std::min(4 * p4 + 2 * p2 + e, n - 1);
+        const uint8_t* r = k + slots[t0 + j] * sk + kh * D;
+#pragma GCC unroll 3
+        for (int64_t g = 0; g < G; ++g) acc[e][g] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < D; c += 16) {
+          __m256 x0, x1;
+          radixserve_fp8::widen16<F>(r + c, x0, x1);
+#pragma GCC unroll 3
+          for (int64_t g = 0; g < G; ++g) {
+            if (g >= ng) break;
+            const float* qh = qf + (h0 + g) * D + c;
+            acc[e][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), x0, acc[e][g]);
+            acc[e][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), x1, acc[e][g]);
+          }
+        }
+      }
+#pragma GCC unroll 3
+      for (int64_t g = 0; g < G; ++g) pair[p2][g] = _mm256_hadd_ps(acc[0][g], acc[1][g]);
+    }
+#pragma GCC unroll 3
+    for (int64_t g = 0; g < G; ++g) quad[p4][g] = _mm256_hadd_ps(pair[0][g], pair[1][g]);
+  }
+  alignas(32) float tail[8];
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(quad[0][g], quad[1][g], 0x20),
+                                   _mm256_permute2f128_ps(quad[0][g], quad[1][g], 0x31));
+    float* dst = sc + (h0 + g) * len + t0;
+    if (n == 8) {
+      _mm256_storeu_ps(dst, s);
+    } else {
+      _mm256_store_ps(tail, s);
+      std::copy(tail, tail + n, dst);
+    }
+  }
+}
+
+// decode_one_fp8_blocked for the avx2 tier (head dims multiple of 16), in blocks of 8 keys:
+// scores by scores8 (rows widened in registers, up to 3 heads per row); for P.V the block's
+// value rows converted once into L1 (load16, in order), each query head's output accumulators
+// in registers over the block's 8 values (16 ymm cannot hold a row and a head's accumulators).
 template <int64_t D, typename T, Format F>
 void decode_one_fp8_blocked8(const T* q, const uint8_t* k, const uint8_t* v, const Geometry& g,
                              const float* k_scale, const float* v_scale, const int32_t* slots,
@@ -91,53 +147,36 @@ void decode_one_fp8_blocked8(const T* q, const uint8_t* k, const uint8_t* v, con
   constexpr int64_t NV = D / 8, BLK = 8;
   const int64_t group = g.hq / g.hkv, row = g.hkv * D;
   constexpr float factor = radixserve_fp8::load_factor<F>();
-  work.resize(g.hq * len + 2 * g.hq * D + BLK * row + BLK);
+  work.resize(g.hq * len + 2 * g.hq * D + BLK * row);
   float* sc = work.data();
   float* qf = sc + g.hq * len;
   float* acc = qf + g.hq * D;
-  float* rf = acc + g.hq * D;  // (BLK, Hkv * D): the block's rows, converted
-  float* tail = rf + BLK * row;  // a partial block's scores
+  float* rf = acc + g.hq * D;  // (BLK, Hkv * D): the block's value rows, converted
   for (int64_t h = 0; h < g.hq; ++h)
     for (int64_t e = 0; e < D; ++e)
       qf[h * D + e] = ld(q, h * D + e) * (g.scale * k_scale[h / group] * factor);
-  auto over_blocks = [&](const uint8_t* base, int64_t sstride, auto&& fn) {
+  auto over_blocks = [&](const uint8_t* base, int64_t sstride, auto&& fn) {  // P.V
     for (int64_t t0 = 0; t0 < len; t0 += BLK) {
       const int64_t n = std::min(BLK, len - t0);
-      // the next block's rows requested now: slots are scattered (pages), the hardware
-      // prefetcher cannot guess them, and this block's conversion hides their latency
-      for (int64_t j = t0 + BLK; j < std::min(t0 + 2 * BLK, len); ++j)
-        for (int64_t c = 0; c < row; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(base + slots[j] * sstride + c),
-                       _MM_HINT_T0);
+      // the next block's rows requested now (into L2: prefetch_rows), this block's conversion
+      // hides their latency
+      radixserve_fp8::prefetch_rows<_MM_HINT_T1>(base, sstride, slots, t0 + BLK,
+                                                 std::min(t0 + 2 * BLK, len), row);
       for (int64_t j = 0; j < n; ++j)
         for (int64_t c = 0; c < row; c += 16)
           radixserve_fp8::load16<F>(base + slots[t0 + j] * sstride + c, rf + j * row + c);
       for (int64_t h = 0; h < g.hq; ++h) fn(h, t0, n);
     }
   };
-  over_blocks(k, g.sk, [&](int64_t h, int64_t t0, int64_t n) {
-    // q in registers over the block (one load per FMA, not two: the loads bound this loop)
-    __m256 qv[NV];
-    for (int64_t c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(qf + h * D + c * 8);
-    const float* kh = rf + (h / group) * D;
-    __m256 dots[BLK];
-    for (int64_t j = 0; j < BLK; ++j) {
-      __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();  // two chains: FMA latency
-      if (j < n)
-        for (int64_t c = 0; c < NV; c += 2) {
-          a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kh + j * row + c * 8), a);
-          b = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(kh + j * row + c * 8 + 8), b);
-        }
-      dots[j] = _mm256_add_ps(a, b);
-    }
-    const __m256 s = radixserve_vec::sum8(dots);
-    if (n == BLK) {
-      _mm256_storeu_ps(sc + h * len + t0, s);
-    } else {
-      _mm256_storeu_ps(tail, s);
-      std::copy(tail, tail + n, sc + h * len + t0);
-    }
-  });
+  for (int64_t t0 = 0; t0 < len; t0 += BLK) {  // scores: the rows widened in registers
+    radixserve_fp8::prefetch_rows<_MM_HINT_T1>(k, g.sk, slots, t0 + BLK,
+                                               std::min(t0 + 2 * BLK, len), row);
+    const int64_t n = std::min(BLK, len - t0);
+    for (int64_t kh = 0; kh < g.hkv; ++kh)
+      for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += 3)
+        scores8<D, F>(k, g.sk, slots, t0, n, kh, h0, std::min<int64_t>(3, (kh + 1) * group - h0),
+                      qf, sc, len);
+  }
   for (int64_t h = 0; h < g.hq; ++h) lse[h] = softmax(sc + h * len, len, g.softcap);
   std::fill(acc, acc + g.hq * D, 0.f);
   over_blocks(v, g.sv, [&](int64_t h, int64_t t0, int64_t n) {
@@ -198,6 +237,7 @@ void decode_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     case 64: by_dtype(std::integral_constant<int64_t, 64>{}); break;
     case 128: by_dtype(std::integral_constant<int64_t, 128>{}); break;
     case 32: by_dtype(std::integral_constant<int64_t, 32>{}); break;
+    case 256: by_dtype(std::integral_constant<int64_t, 256>{}); break;
     default: by_dtype(std::integral_constant<int64_t, 0>{});  // any other head_dim
   }
 }

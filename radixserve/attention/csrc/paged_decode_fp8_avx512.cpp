@@ -12,9 +12,10 @@
 // per KV head, each key's row is widened to fp32 in registers (widen32: fp16's fields, F16C;
 // no table, no gather, no store) and used there by up to GB query heads of that KV head's group,
 // whose q (times scale, k_scale and the format's factor) stays in registers: no FMA reads
-// memory. Scores: each (head, key) dot product folded to 8 lanes, 8 keys summed at once (sum8),
-// stored 16 at a time. P.V: the heads' accumulators in registers over the block, each key's
-// probability broadcast; v_scale applied once to the output. The rows' fp32 order is
+// memory. Scores: each key pair's 16-lane dot products folded at once, two pairs per 4 keys, 4
+// of those into the block's 16 scores (scores_block), stored 16 at a time. P.V: the heads'
+// accumulators in registers over the block, each key's probability broadcast; v_scale applied
+// once to the output. The rows' fp32 order is
 // widen32's (permuted32): q is permuted alike and the output back.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -56,11 +57,31 @@ struct Slice {
   int64_t stride;
   const int32_t* slots;
   int64_t t0, n, h0, ng;
+  // keys past n (a short last block): a repeat of the last one, masked off at the store
+  const uint8_t* row(int64_t j) const { return base + slots[t0 + std::min(j, n - 1)] * stride; }
 };
 
-// Scores (scaled) of the slice's heads for its keys, into sc (hq, len).
+// The 16-lane dot products of the first ng of G heads' q with one key's row (one chain each:
+// the heads and keys in flight hide the FMA latency).
+template <int64_t D, int64_t G>
+inline void dots(const __m512 (*q)[D / 16], int64_t ng, const __m512* k, __m512* out) {
+#pragma GCC unroll 16
+  for (int64_t g = 0; g < G; ++g) {
+    if (g >= ng) break;
+    __m512 a = _mm512_mul_ps(q[g][0], k[0]);
+#pragma GCC unroll 16
+    for (int64_t c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[g][c], k[c], a);
+    out[g] = a;
+  }
+}
+
+// Scores (scaled) of the slice's heads for its keys, into sc (hq, len): each key pair's dot
+// products folded at once (fold2), two pairs into one vector per 4 keys (fold4), four of those
+// into the block's 16 scores (reduce16): ~2.8 instructions per (head, key) for the horizontal
+// sums, where folding each to 8 lanes and summing 8 keys from L1 (sum8) took ~6.
 template <int64_t D, Format F>
 void scores_block(const Slice& s, const float* qf, float* sc, int64_t len) {
+  using radixserve_vec::fold2;
   constexpr int64_t NV = D / 16, G = heads_at_once<D>();
   __m512 q[G][NV];
 #pragma GCC unroll 16
@@ -68,39 +89,29 @@ void scores_block(const Slice& s, const float* qf, float* sc, int64_t len) {
 #pragma GCC unroll 16
     for (int64_t c = 0; c < NV; ++c)
       q[g][c] = g < s.ng ? _mm512_loadu_ps(qf + (s.h0 + g) * D + 16 * c) : _mm512_setzero_ps();
-  alignas(64) float red[G][BLK][8];  // (head, key): the dot product folded to 8 lanes
-  for (int64_t j = 0; j < BLK; ++j) {
-    if (j >= s.n) {  // a short last block: its lanes are masked off below
+  alignas(64) float quad[G][BLK / 4][16];  // (head, 4 keys): fold4's vector
+  for (int64_t j0 = 0; j0 < BLK; j0 += 4) {
+    __m512 pair[2][G];
+#pragma GCC unroll 2
+    for (int64_t p = 0; p < 2; ++p) {
+      __m512 k[NV], e[G], o[G];
+      widen_row<D, F>(s.row(j0 + 2 * p), k);
+      dots<D, G>(q, s.ng, k, e);
+      widen_row<D, F>(s.row(j0 + 2 * p + 1), k);
+      dots<D, G>(q, s.ng, k, o);
 #pragma GCC unroll 16
-      for (int64_t g = 0; g < G; ++g) _mm256_store_ps(red[g][j], _mm256_setzero_ps());
-      continue;
+      for (int64_t g = 0; g < G; ++g)
+        if (g < s.ng) pair[p][g] = fold2(e[g], o[g]);
     }
-    __m512 k[NV];
-    widen_row<D, F>(s.base + s.slots[s.t0 + j] * s.stride, k);
 #pragma GCC unroll 16
-    for (int64_t g = 0; g < G; ++g) {
-      if (g >= s.ng) break;
-      __m512 a = _mm512_mul_ps(q[g][0], k[0]), b = _mm512_mul_ps(q[g][1], k[1]);  // 2 chains
-#pragma GCC unroll 16
-      for (int64_t c = 2; c < NV; c += 2) {
-        a = _mm512_fmadd_ps(q[g][c], k[c], a);
-        b = _mm512_fmadd_ps(q[g][c + 1], k[c + 1], b);
-      }
-      a = _mm512_add_ps(a, b);
-      _mm256_store_ps(red[g][j], _mm256_add_ps(_mm512_castps512_ps256(a),
-                                               _mm512_extractf32x8_ps(a, 1)));
-    }
+    for (int64_t g = 0; g < G; ++g)
+      if (g < s.ng) _mm512_store_ps(quad[g][j0 / 4], radixserve_vec::fold4(pair[0][g], pair[1][g]));
   }
   const auto mask = static_cast<__mmask16>((1u << s.n) - 1);
   for (int64_t g = 0; g < s.ng; ++g) {
-    __m256 lo[8], hi[8];
-    for (int64_t j = 0; j < 8; ++j) {
-      lo[j] = _mm256_load_ps(red[g][j]);
-      hi[j] = _mm256_load_ps(red[g][8 + j]);
-    }
-    const __m512 both = _mm512_insertf32x8(
-        _mm512_castps256_ps512(radixserve_vec::sum8(lo)), radixserve_vec::sum8(hi), 1);
-    _mm512_mask_storeu_ps(sc + (s.h0 + g) * len + s.t0, mask, both);
+    const __m512 r[4] = {_mm512_load_ps(quad[g][0]), _mm512_load_ps(quad[g][1]),
+                         _mm512_load_ps(quad[g][2]), _mm512_load_ps(quad[g][3])};
+    _mm512_mask_storeu_ps(sc + (s.h0 + g) * len + s.t0, mask, radixserve_vec::reduce16(r));
   }
 }
 
@@ -116,7 +127,7 @@ void values_block(const Slice& s, const float* p, int64_t len, float* acc) {
       a[g][c] = g < s.ng ? _mm512_loadu_ps(acc + (s.h0 + g) * D + 16 * c) : _mm512_setzero_ps();
   for (int64_t j = 0; j < s.n; ++j) {
     __m512 v[NV];
-    widen_row<D, F>(s.base + s.slots[s.t0 + j] * s.stride, v);
+    widen_row<D, F>(s.row(j), v);
 #pragma GCC unroll 16
     for (int64_t g = 0; g < G; ++g) {
       if (g >= s.ng) break;
@@ -140,8 +151,8 @@ void over_slices(const uint8_t* pool, int64_t stride, const Geometry& g, const i
   constexpr int64_t G = heads_at_once<D>();
   const int64_t group = g.hq / g.hkv;
   for (int64_t t0 = 0; t0 < len; t0 += BLK) {
-    radixserve_fp8::prefetch_rows(pool, stride, slots, t0 + BLK, std::min(t0 + 2 * BLK, len),
-                                  g.hkv * D);
+    radixserve_fp8::prefetch_rows<_MM_HINT_T1>(pool, stride, slots, t0 + BLK,
+                                               std::min(t0 + 2 * BLK, len), g.hkv * D);
     const int64_t n = std::min(BLK, len - t0);
     for (int64_t kh = 0; kh < g.hkv; ++kh)
       for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += G)

@@ -38,6 +38,8 @@ namespace {
 using radixserve_bf16::bf16_t;
 using radixserve_fp8::Bf16Lut;
 using radixserve_fp8::Format;
+using radixserve_vec::reduce16;
+using radixserve_vec::reduce4;
 
 constexpr int64_t BLK = 16;  // keys per block
 
@@ -54,27 +56,6 @@ struct Slice {
   int64_t t0, n, h0, ng;
   const uint8_t* row(int64_t j) const { return base + slots[t0 + std::min(j, n - 1)] * stride; }
 };
-
-// Four 16-lane dot products (keys a..d) -> per 128-bit lane L, lane L's partial sums of the
-// four keys in order (two unpack levels).
-inline __m512 reduce4(const __m512* x) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
-}
-
-// Two vectors of 128-bit lanes (x: lanes x0..x3) -> (x0 + x1, x2 + x3, y0 + y1, y2 + y3).
-inline __m512 pair_lanes(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// reduce4 of keys 0-3, 4-7, 8-11, 12-15 -> the 16 keys' sums in order.
-inline __m512 reduce16(const __m512* r) {
-  return pair_lanes(pair_lanes(r[0], r[1]), pair_lanes(r[2], r[3]));
-}
 
 // Scaled scores of the slice's heads for its keys, into sc (hq, len). qb: (hq, D) bf16 in
 // perm64's order per 64 dims; hscale: the scale times k_scale of the slice's KV head.
@@ -186,8 +167,8 @@ void over_slices(const uint8_t* pool, int64_t stride, const Geometry& g, const i
   constexpr int64_t G = heads_at_once<D>();
   const int64_t group = g.hq / g.hkv;
   for (int64_t t0 = 0; t0 < len; t0 += BLK) {
-    radixserve_fp8::prefetch_rows(pool, stride, slots, t0 + BLK, std::min(t0 + 2 * BLK, len),
-                                  g.hkv * D);
+    radixserve_fp8::prefetch_rows<_MM_HINT_T1>(pool, stride, slots, t0 + BLK,
+                                               std::min(t0 + 2 * BLK, len), g.hkv * D);
     const int64_t n = std::min(BLK, len - t0);
     for (int64_t kh = 0; kh < g.hkv; ++kh)
       for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += G)

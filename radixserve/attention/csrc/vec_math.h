@@ -49,6 +49,29 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Folding 16-lane dot products of consecutive keys into one vector of scores, a few keys at a
+// time (a kernel keeps the partial folds in registers instead of 16 whole vectors):
+// fold2: keys a, b -> per 128-bit lane, [a0 + a2, b0 + b2, a1 + a3, b1 + b3];
+// fold4: fold2 of keys (0, 1) and (2, 3) -> per 128-bit lane L, L's partial sums of keys 0..3;
+// reduce16: fold4 of keys 0-3, 4-7, 8-11, 12-15 -> the 16 keys' sums in order.
+inline __m512 fold2(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+inline __m512 fold4(__m512 ab, __m512 cd) {
+  const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+inline __m512 reduce4(const __m512* x) { return fold4(fold2(x[0], x[1]), fold2(x[2], x[3])); }
+// Two vectors of 128-bit lanes (x: lanes x0..x3) -> (x0 + x1, x2 + x3, y0 + y1, y2 + y3).
+inline __m512 pair_lanes(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m512 reduce16(const __m512* r) {
+  return pair_lanes(pair_lanes(r[0], r[1]), pair_lanes(r[2], r[3]));
+}
+
 // r[i] := column i of the 16 x 16 matrix whose rows are r[0..15] (rows become lanes).
 inline void transpose16(__m512* r) {
   __m512 t[16], u[16];
@@ -84,8 +107,9 @@ inline void transpose16(__m512* r) {
 namespace radixserve_vec {
 
 // exp_ps's 8-lane form for the avx2 tier (the 8-lane helpers are also built at the AVX-512
-// tiers, where the fp8 decode sums 8-lane partial dot products with sum8): the same reduction and polynomial; 2^n built in the
-// exponent field (n + 127 >= 11 for x >= -80: always a normal float), as AVX2 has no vscalefps.
+// tiers, for kernels that sum 8-lane partial dot products with sum8): the same reduction and
+// polynomial; 2^n built in the exponent field (n + 127 >= 11 for x >= -80: always a normal
+// float), as AVX2 has no vscalefps.
 inline __m256 exp256(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
