@@ -3,7 +3,9 @@
 Owns: `PartClock` (seconds per named part, accumulated by the callables it wraps) and
 `time_parts`, which wraps a loaded model's linear kernels (each decoder layer's projections,
 the packed MLP's activation GEMMs, the LM head) under "linear", the attention backend's
-forward under "attention" and the whole forward under "forward", in place, for this process.
+forward (its K/V store included) and attend (over K/V the layer stored itself, with RoPE:
+that store is not in it) under "attention" and the whole forward under "forward", in place,
+for this process.
 bench/decode_floor.py and bench/prefill_floor.py share it. Does not know: workloads, floors,
 which steps a benchmark keeps.
 """
@@ -71,4 +73,6 @@ def time_parts(model: Any, clock: PartClock) -> None:
             mlp.activation = TimedKernel(mlp.activation, clock)
     model.lm_head.kernel = TimedKernel(model.lm_head.kernel, clock)
     model.backend.forward = clock.wrap("attention", model.backend.forward)
+    if hasattr(model.backend, "attend"):  # the layers stored K/V themselves (fused, CPU)
+        model.backend.attend = clock.wrap("attention", model.backend.attend)
     model.forward = clock.wrap("forward", model.forward)

@@ -129,7 +129,14 @@ class AttentionBackend(Protocol):
 @runtime_checkable
 class StoredKVAttention(Protocol):
     """A backend that can skip its own store: this forward's K/V are already in the pool at
-    `meta.out_slots` (written by the model, e.g. by triton_kernels.rope_qk_store)."""
+    `meta.out_slots` (written by the model: triton_kernels.rope_qk_store on the fused path,
+    norm_rope's native rope_store on CPU)."""
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the model runs its Triton fused layers with this backend (the Triton
+        backend); False: only the CPU loop's native RoPE + store uses attend()."""
+        ...
 
     def attend(
         self,

@@ -2,7 +2,8 @@
 
 Cascade attention: the keys of a tree prefix that several requests share are attended once.
 
-Owns: storing new K/V into the pool and attention through the slot table.
+Owns: storing new K/V into the pool and attention through the slot table (`attend`: the
+same without the store, where the model stored them itself: norm_rope's rope_store on CPU).
 Each request's keys are split in two parts, merged by log-sum-exp:
 - the group part: a tree prefix shared by a group of requests (meta.shared), attended once
   for all the group's query tokens (one gather, one kernel) instead of once per request;
@@ -11,7 +12,8 @@ Each request's keys are split in two parts, merged by log-sum-exp:
 Long prefill chunks (MIN_VARLEN_TOKENS tokens or more) go to attention/varlen.py, one
 request at a time on this forward's own k/v; the cascade above takes the rest of the batch
 (decode tokens and short prefill chunks, e.g. the decodes of a mixed step). A rest whose padded
-block would be too large, or a lone request with no group, goes to one SDPA call per request.
+block would be too large, or a lone request with no group, goes to one SDPA call per request
+(per_request.py).
 On CPU, a rest of decode tokens and short chunks (at most SHORT_QUERY_MAX new tokens each:
 drafts to verify) goes instead to the native paged kernel (cpu_kernels.py) when the backend
 was given it: one kernel row per new token, its own causal range read in place, then the groups
@@ -43,9 +45,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionMetadata, check_window_softcap, window_start
+from radixserve.attention.base import AttentionMetadata, check_window_softcap
 from radixserve.attention.cascade_plan import (
     CascadePlan,
     DecodePlan,
@@ -56,10 +57,10 @@ from radixserve.attention.cascade_plan import (
 from radixserve.attention.cpu_kernels import PagedDecode, PrefillAttention, cap_scores
 from radixserve.attention.kv_quant import KVScale, store
 from radixserve.attention.kv_read import KVReader, Scratch
+from radixserve.attention.per_request import attend_per_request
 from radixserve.attention.varlen import (
     Split,
     attend_long,
-    attend_positions,
     merge_outputs,
     split_batch,
 )
@@ -114,6 +115,7 @@ class TorchAttentionBackend:
     long prefill chunks (varlen.py); None for the torch path there (the reference)."""
 
     reads_shared_prefixes = True  # a group's shared prefix is attended once (_merge_group)
+    fused_kernels = False  # attend() serves the CPU loop's native RoPE + store only
 
     def __init__(self, paged_decode: PagedDecode | None = None,
                  prefill: PrefillAttention | None = None) -> None:
@@ -127,8 +129,9 @@ class TorchAttentionBackend:
         self.paged_decode = paged_decode
         self.prefill = prefill
 
-    def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor,
+    def _plan_short(self, meta: AttentionMetadata, q: torch.Tensor, kv_heads: torch.Tensor,
                     window: int | None) -> CascadePlan | DecodePlan | None:
+        """kv_heads: this forward's k (T, Hkv, D) or the pool's (S, Hkv, D)."""
         # Decode tokens and short chunks through the kernel: it reads each request's keys in
         # place, where the cascade gathers them into a padded block per layer first (a copy
         # as large as the keys) and then runs flash over it.
@@ -137,7 +140,7 @@ class TorchAttentionBackend:
         if (self.paged_decode is not None and meta.max_extend_len <= SHORT_QUERY_MAX
                 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)):
             return make_decode_plan(meta, window)
-        return make_plan(meta, q.shape[1] // k.shape[1], q.dtype, window)
+        return make_plan(meta, q.shape[1] // kv_heads.shape[1], q.dtype, window)
 
     def forward(
         self,
@@ -157,19 +160,54 @@ class TorchAttentionBackend:
         kscale, vscale = (None, None) if kv_scale is None else kv_scale
         store(k_cache, meta.out_slots, k, kscale)
         store(v_cache, meta.out_slots, v, vscale)
-        reader = KVReader(self.scratch, kv_scale, q.dtype)
+        return self._attend(q, (k, v), k_cache, v_cache, meta, scale, kv_scale, window, softcap)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (T, Hq, D), any token stride
+        k_cache: torch.Tensor,  # (S, Hkv, D), this forward's K/V already stored
+        v_cache: torch.Tensor,  # (S, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: KVScale | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        check: bool = True,
+    ) -> torch.Tensor:
+        """forward() without the store: the model stored this forward's K/V itself
+        (norm_rope's rope_store). Long prefill chunks read theirs back from the pool (an
+        8-bit pool's then dequantized: forward() keeps such a chunk's own K/V exact)."""
+        if check:
+            check_window_softcap(window, softcap)
+        return self._attend(q, None, k_cache, v_cache, meta, scale, kv_scale, window, softcap)
+
+    def _attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, kv_scale: KVScale | None, window: int | None,
+                softcap: float | None) -> torch.Tensor:
+        """kv: this forward's K/V (T, Hkv, D) each, or None: read from the pool if needed."""
         if meta is not self._plan_meta:
             self._plan_meta, self._split, self._plans = meta, split_batch(meta), {}
         split = self._split
         assert split is not None
         if split.short_meta is not None and window not in self._plans:
-            self._plans[window] = self._plan_short(split.short_meta, q, k, window)
+            self._plans[window] = self._plan_short(split.short_meta, q, k_cache, window)
+        if not split.long:
+            plan = self._plans[window]
+            if type(plan) is DecodePlan and not plan.groups:  # a decode step: one call
+                return self._paged(q, k_cache, v_cache, plan, scale, kv_scale, softcap)[0]
+        reader = KVReader(self.scratch, kv_scale, q.dtype)
         lim = _Limits(window, softcap)
         if not split.long:
             return self._short(q, k_cache, v_cache, meta, scale, reader, lim)
         # Long prefill chunks one by one; decode tokens and short prefill chunks of the
         # same batch (a mixed step) through the cascade, on their own rows of q.
-        out = torch.empty_like(q)
+        if kv is None:  # copies, not the reader's reused buffers (the prefix gathers use them)
+            kv = (reader.gather(k_cache, meta.out_slots, "k").clone(),
+                  reader.gather(v_cache, meta.out_slots, "v").clone())
+        k, v = kv
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if split.short_meta is not None:
             assert split.short_rows is not None
             short = self._short(q.index_select(0, split.short_rows), k_cache, v_cache,
@@ -184,23 +222,31 @@ class TorchAttentionBackend:
                ) -> torch.Tensor:
         plan = self._plans[lim.window]
         if plan is None:
-            return self._per_request(q, k_cache, v_cache, meta, scale, reader, lim)
+            return attend_per_request(q, k_cache, v_cache, meta, scale, reader, lim.window,
+                                      lim.softcap)
         if isinstance(plan, DecodePlan):
             return self._decode_native(q, k_cache, v_cache, plan, scale, reader, lim.softcap)
         return self._cascade(q, k_cache, v_cache, plan, scale, reader, lim.softcap)
+
+    def _paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               plan: DecodePlan, scale: float, kv_scale: KVScale | None,
+               softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The native kernel over each token's own part: out (T, Hq, D), lse (T, Hq)."""
+        assert self.paged_decode is not None
+        kscale, vscale = (None, None) if kv_scale is None else kv_scale
+        return self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows, plan.starts,
+                                 plan.seq_lens, scale, kscale, vscale,
+                                 0.0 if softcap is None else softcap)
 
     def _decode_native(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        plan: DecodePlan, scale: float, reader: KVReader,
                        softcap: float | None) -> torch.Tensor:
         """Each request's own part by the native kernel, then its shared group merged in."""
-        assert self.paged_decode is not None
         T, Hq, D = q.shape  # one kernel row per new token
         Hkv = k_cache.shape[1]
-        kscale, vscale = (None, None) if reader.kv_scale is None else reader.kv_scale
-        out, lse = self.paged_decode(q, k_cache, v_cache, plan.slot_table, plan.rows,
-                                     plan.starts, plan.seq_lens, scale, kscale, vscale,
-                                     **({} if softcap is None else {"softcap": softcap})
-                                     )  # (T, Hq, D), (T, Hq)
+        out, lse = self._paged(q, k_cache, v_cache, plan, scale, reader.kv_scale, softcap)
+        if not plan.groups:
+            return out
         out, lse = out.view(T, Hkv, Hq // Hkv, D), lse.view(T, Hkv, Hq // Hkv)
         for g in plan.groups:  # disjoint: each token is merged at most once
             out = self._merge_group(q, k_cache, v_cache, g, out, lse, scale, reader, softcap)
@@ -249,38 +295,3 @@ class TorchAttentionBackend:
         if g.token_rows is None:
             return merged
         return out.index_copy(0, g.token_rows, merged)
-
-    def _per_request(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, reader: KVReader, lim: _Limits
-                     ) -> torch.Tensor:
-        out = torch.empty_like(q)
-        start = 0
-        for row, prefix, n in zip(meta.rows_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu,
-                                  strict=True):
-            total = prefix + n
-            if lim.window is not None or lim.softcap is not None:
-                lo = window_start(prefix, lim.window)
-                slots = meta.slot_table[row, lo:total]  # (total - lo,)
-                dev = q.device
-                out[start : start + n], _ = attend_positions(
-                    q[start : start + n], reader.gather(k_cache, slots, "k"),
-                    reader.gather(v_cache, slots, "v"), torch.arange(prefix, total, device=dev),
-                    torch.arange(lo, total, device=dev), scale, lim.window, lim.softcap)
-                start += n
-                continue
-            slots = meta.slot_table[row, :total]  # (total,)
-            keys = reader.gather(k_cache, slots, "k").transpose(0, 1).unsqueeze(0)
-            values = reader.gather(v_cache, slots, "v").transpose(0, 1).unsqueeze(0)
-            qb = q[start : start + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
-            if prefix == 0:
-                o = F.scaled_dot_product_attention(
-                    qb, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                qpos = torch.arange(prefix, total, device=q.device)
-                kpos = torch.arange(total, device=q.device)
-                o = F.scaled_dot_product_attention(
-                    qb, keys, values, attn_mask=kpos[None, :] <= qpos[:, None], scale=scale,
-                    enable_gqa=True)
-            out[start : start + n] = o[0].transpose(0, 1)
-            start += n
-        return out

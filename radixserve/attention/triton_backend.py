@@ -25,6 +25,7 @@ class TritonAttentionBackend:
 
     # Each request attends over its own slot table row; shared tree prefixes go unread.
     reads_shared_prefixes = False
+    fused_kernels = True  # the model's layers run triton_kernels' fused path with it
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
         if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:

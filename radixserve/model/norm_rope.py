@@ -1,10 +1,12 @@
 """RMSNorm and rotary embeddings as single-pass native CPU ops, and their specifications.
 
-Owns: loading csrc/norm_rope.cpp's ops `rms_norm` / `rope_qk` at the process's CPU tier
+Owns: loading csrc/norm_rope.cpp's ops `rms_norm` / `rope_qk` / `rope_store` at the process's
+CPU tier
 (platform/kernels.py's NORM_ROPE: compiled without -ffast-math and without FMA contraction, so
 the ops round as the torch code does; fp32 RMSNorm adds its squares in torch's order, found
-per hidden size: NativeRmsNorm), and `rms_norm_reference` / `rope_qk_reference`: the torch
-code they replace, which is also the path on CUDA with the torch attention backend (the
+per hidden size: NativeRmsNorm), and `rms_norm_reference` / `rope_qk_reference` /
+`rope_store_reference`: the torch code they replace (rope_store has no torch path in a forward:
+without the native op a layer runs rope_qk and the backend's own store), which is also the path on CUDA with the torch attention backend (the
 Triton backend's forward runs layers/' fused Triton path instead), without the build, or with
 RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers, the attention backend, where the cos/sin
 tables come from (model/rope.py).
@@ -12,6 +14,8 @@ tables come from (model/rope.py).
 Why: the torch forms run 4-6 elementwise ops per call, each a pass over (and a fresh
 allocation of) the whole activation, and a forward makes 91 calls (two norms per layer, the
 final norm, RoPE per layer): a visible share of a distinct-prompt workload's engine time.
+At batch 1 a call's dispatch outweighs its arithmetic, hence rope_store: a layer's RoPE and
+K/V store in one call where rope_qk and two index_copy_ were three.
 """
 
 from __future__ import annotations
@@ -50,17 +54,46 @@ def rope_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * c + torch.roll(x, d // 2, dims=-1) * s
 
 
+def rope_store_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """qkv (T, W): q_heads q heads, then Hkv k heads and Hkv v heads (Hkv = k_cache.shape[1]),
+    its q and k heads rotated in place as rope_qk_reference; then k_cache[slots] = the rotated
+    k heads and v_cache[slots] = the v heads. k_cache, v_cache (S, Hkv, D); slots (T,) int64.
+    Returns the rotated q heads, a (T, q_heads, D) view of qkv."""
+    d, kv = cos.shape[-1], k_cache.shape[1]
+    heads = q_heads + kv
+    rotated = rope_qk_reference(qkv, cos, sin, heads)  # (T, heads, D)
+    qkv[:, : heads * d] = rotated.view(-1, heads * d)
+    k_cache.index_copy_(0, slots, rotated[:, q_heads:])
+    v_cache.index_copy_(0, slots, qkv[:, heads * d : (heads + kv) * d].view(-1, kv, d))
+    return qkv[:, : q_heads * d].view(-1, q_heads, d)
+
+
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 RopeQK = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+RopeStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor,
+                      torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class NormRope:
-    """The two ops a forward uses: the native ones or the references."""
+    """The ops a forward uses: the native ones or the references. `rope_store`: the native
+    op only (None: the layers store K/V through the attention backend)."""
 
     rms_norm: RmsNorm
     rope_qk: RopeQK
     native: bool
+    rope_store: RopeStore | None = None
+
+    def bound_rms_norm(self, weight: torch.Tensor, eps: float
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """rms_norm(x, weight, eps) of x (T, dim) in weight's dtype, its choices (the native
+        op or torch, fp32's order) made now rather than per call (61 calls a decode step)."""
+        if isinstance(self.rms_norm, NativeRmsNorm):
+            return self.rms_norm.bound(weight, eps)
+        rms_norm = self.rms_norm
+        return lambda x: rms_norm(x, weight, eps)
 
 
 REFERENCE = NormRope(rms_norm_reference, rope_qk_reference, native=False)
@@ -74,7 +107,8 @@ def load_norm_rope(device: torch.device) -> NormRope:
     loaded = load_extension(NORM_ROPE)
     if loaded is None:
         return REFERENCE
-    return NormRope(NativeRmsNorm(loaded.op("rms_norm")), loaded.op("rope_qk"), native=True)
+    return NormRope(NativeRmsNorm(loaded.op("rms_norm")), loaded.op("rope_qk"), native=True,
+                    rope_store=loaded.op("rope_store"))
 
 
 # torch's CPU sum splits one row's reduction between threads from this many elements on
@@ -108,6 +142,20 @@ class NativeRmsNorm:
         if lanes is None or x.stride(-1) != 1:
             return rms_norm_reference(x, weight, eps)
         return self.native(x, weight, eps, lanes)
+
+    def bound(self, weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This call with weight and eps fixed, for x of weight's dtype (the op checks)."""
+        native = self.native
+        if weight.dtype != torch.float32:
+            return lambda x: native(x, weight, eps)
+        hidden = weight.shape[0]
+        if hidden not in self._lanes:
+            self._lanes[hidden] = self._torch_lanes(hidden)
+        lanes = self._lanes[hidden]
+        if lanes is None:
+            return lambda x: rms_norm_reference(x, weight, eps)
+        return lambda x: (native(x, weight, eps, lanes) if x.stride(-1) == 1
+                          else rms_norm_reference(x, weight, eps))
 
     def _torch_lanes(self, hidden: int) -> int | None:
         if hidden >= TORCH_SPLIT_ELEMENTS:

@@ -62,7 +62,7 @@ INT8_GEMM = NativeExtension(
 # No -ffast-math and no FMA contraction: the ops must round product by product as torch does
 NORM_ROPE = NativeExtension(
     "radixserve_norm_rope", (_MODEL / "norm_rope.cpp",), "CPU RMSNorm/RoPE kernels",
-    ("rms_norm", "rope_qk"), cflags=("-O3", "-fopenmp", "-ffp-contract=off"),
+    ("rms_norm", "rope_qk", "rope_store"), cflags=("-O3", "-fopenmp", "-ffp-contract=off"),
     header_dirs=(_ATTN,))  # bf16_access.h
 
 QUANT_GEMM = NativeExtension(

@@ -17,6 +17,7 @@ from radixserve.model.norm_rope import (
     load_norm_rope,
     rms_norm_reference,
     rope_qk_reference,
+    rope_store_reference,
 )
 from radixserve.model.rope import RotaryTable
 from radixserve.platform.kernels import NORM_ROPE, load_extension
@@ -141,6 +142,51 @@ def test_rope_head_dim_128_and_strided_rows() -> None:
     qkv = torch.randn(64, 2 * 6 * 128)[:, 128:]  # rows 1536 apart, 10 heads wide
     out = native().rope_qk(qkv, cos, sin, 4)
     assert torch.equal(out, rope_qk_reference(qkv, cos, sin, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rope_store_is_bit_identical_to_rope_qk_and_index_copy(dtype: torch.dtype,
+                                                               rows: int) -> None:
+    """SmolLM2's layout (9 q, 3 k, 3 v heads of 64), qkv rows wider than the heads (rows
+    1000 apart), slots in any order: q and k rotated in place as rope_qk, the rotated k and
+    the v written to the pools' slots, nothing else touched."""
+    table = RotaryTable(RopeSpec(theta=10000.0), 64, 4096, dtype, CPU)
+    gen = torch.Generator().manual_seed(rows)
+    cos, sin = table.lookup(torch.randint(0, 4096, (rows,), generator=gen))
+    qkv = torch.randn(rows, 1000, generator=gen).to(dtype)
+    caches = [torch.randn(100, 3, 64, generator=gen).to(dtype) for _ in range(2)]
+    slots = torch.randperm(100, generator=gen)[:rows]
+    ops = native()
+    assert ops.rope_store is not None
+    got = [qkv.clone(), *(c.clone() for c in caches)]
+    q = ops.rope_store(got[0], cos, sin, 9, got[1], got[2], slots)
+    want = [qkv.clone(), *(c.clone() for c in caches)]
+    want_q = rope_store_reference(want[0], cos, sin, 9, want[1], want[2], slots)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(q, want_q) and q.shape == (rows, 9, 64)
+    assert q.data_ptr() == got[0].data_ptr()  # a view of qkv
+    assert torch.equal(want_q, rope_qk_reference(qkv, cos, sin, 12)[:, :9])
+    assert torch.equal(got[0][:, 15 * 64 :], qkv[:, 15 * 64 :])  # v and past it untouched
+
+
+def test_rope_store_input_checks() -> None:
+    store = native().rope_store
+    assert store is not None
+    cos = torch.ones(2, 16)
+    qkv, cache, slots = torch.randn(2, 96), torch.zeros(8, 2, 16), torch.tensor([0, 7])
+    store(qkv, cos, cos, 2, cache, cache.clone(), slots)  # fits: 2 q + 2 k + 2 v heads
+    with pytest.raises(RuntimeError, match="too narrow"):
+        store(qkv, cos, cos, 3, cache, cache.clone(), slots)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        store(qkv, cos, cos, 2, cache, cache.clone(), torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        store(qkv, cos, cos, 2, cache.bfloat16(), cache.bfloat16(), slots)
+    with pytest.raises(RuntimeError, match="int64"):
+        store(qkv, cos, cos, 2, cache, cache.clone(), slots.int())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        store(qkv, cos, cos, 2, torch.zeros(8, 2, 32)[:, :, :16], cache, slots)
 
 
 def test_input_checks() -> None:

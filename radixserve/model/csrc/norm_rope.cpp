@@ -2,7 +2,7 @@
 // sequence of elementwise ops (every op of which reads and writes the whole (T, hidden)
 // activation and allocates its result).
 //
-// Registered as torch.ops.radixserve.rms_norm and torch.ops.radixserve.rope_qk;
+// Registered as torch.ops.radixserve.rms_norm, .rope_qk and .rope_store;
 // radixserve/model/norm_rope.py builds them and owns their specification (the torch code they
 // replace, rms_norm_reference and rope_qk_reference there, which the tests compare with).
 //
@@ -20,6 +20,14 @@
 // rope_qk: qkv (T, W) with W contiguous, its first n_heads * D columns the q and k heads;
 //   cos, sin (T, D) (sin with its first half negated, see model/rope.py); out (T, n_heads, D)
 //   contiguous: out[t, h, e] = x[e] * cos[t, e] + x[(e + D / 2) % D] * sin[t, e].
+// rope_store: a decode layer's RoPE and K/V store in one call (per layer the separate ops
+//   and their Python glue cost more than the arithmetic: 30 layers, one token). qkv (T, W)
+//   with W contiguous: q_heads q heads, then Hkv k heads, then Hkv v heads, D wide each,
+//   Hkv = k_cache.size(1), D = cos.size(1); k_cache, v_cache (S, Hkv, D), each slot's
+//   (Hkv, D) contiguous, qkv's dtype; slots (T,) int64. The q and k heads are rotated in
+//   place (as rope_qk computes them), then k_cache[slots[t]] = the rotated k heads and
+//   v_cache[slots[t]] = the v heads, bit for bit. Returns the rotated q heads: a (T, q_heads, D)
+//   view of qkv (made here: a slice and a view from Python cost more than this op's work).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -214,6 +222,78 @@ at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   return out;
 }
 
+// Rotates n_heads heads of row x (D wide each, contiguous) in place, as rope_rows: each head
+// read into `tmp` first (an element's partner is overwritten before it is read otherwise).
+template <typename T>
+void rope_heads_inplace(T* x, const T* c, const T* s, int64_t n_heads, int64_t d, T* tmp) {
+  const int64_t half = d / 2;
+  for (int64_t hh = 0; hh < n_heads; ++hh) {
+    T* xr = x + hh * d;
+    std::copy(xr, xr + d, tmp);
+#pragma omp simd
+    for (int64_t e = 0; e < half; ++e)
+      st(xr, e, rnd(ld(tmp, e) * ld(c, e), xr) + rnd(ld(tmp, e + half) * ld(s, e), xr));
+#pragma omp simd
+    for (int64_t e = half; e < d; ++e)
+      st(xr, e, rnd(ld(tmp, e) * ld(c, e), xr) + rnd(ld(tmp, e - half) * ld(s, e), xr));
+  }
+}
+
+constexpr int64_t kMaxHeadDim = 512;  // rope_store's per-head scratch, on the stack
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t q_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& slots) {
+  TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu() &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  slots.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(qkv.dim() == 2 && cos.dim() == 2 && sin.dim() == 2 && k_cache.dim() == 3 &&
+                  v_cache.dim() == 3 && slots.dim() == 1,
+              "qkv (T, W), cos/sin (T, D), k_cache/v_cache (S, Hkv, D), slots (T,)");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt &&
+                  k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "qkv, cos, sin, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "slots: int64");
+  const int64_t n = qkv.size(0), d = cos.size(1), hkv = k_cache.size(1), ns = k_cache.size(0);
+  TORCH_CHECK(d % 2 == 0 && d <= kMaxHeadDim && sin.size(1) == d && cos.size(0) == n &&
+                  sin.size(0) == n, "cos/sin: (T, D), D even, at most 512");
+  TORCH_CHECK(k_cache.size(2) == d && v_cache.size(1) == hkv && v_cache.size(2) == d &&
+                  v_cache.size(0) == ns, "k_cache, v_cache: (S, Hkv, D) alike");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(2) == 1 &&
+                  v_cache.stride(1) == d, "k_cache / v_cache rows must be (Hkv, D) contiguous");
+  TORCH_CHECK(q_heads >= 1 && (q_heads + 2 * hkv) * d <= qkv.size(1),
+              "qkv too narrow for the q, k and v heads");
+  TORCH_CHECK(slots.size(0) == n, "slots: one per row of qkv");
+  TORCH_CHECK(qkv.stride(1) == 1 && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rows must be contiguous");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < ns, "slot out of range");
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = static_cast<T*>(qkv.data_ptr());
+    const T* cp = static_cast<const T*>(cos.data_ptr());
+    const T* snp = static_cast<const T*>(sin.data_ptr());
+    T* kp = static_cast<T*>(k_cache.data_ptr());
+    T* vp = static_cast<T*>(v_cache.data_ptr());
+    const int64_t sx = qkv.stride(0), sc = cos.stride(0), ss = sin.stride(0);
+    const int64_t sk = k_cache.stride(0), sv = v_cache.stride(0), kv = hkv * d;
+    at::parallel_for(0, n, GRAIN, [&](int64_t b, int64_t e) {
+      T tmp[kMaxHeadDim];
+      for (int64_t t = b; t < e; ++t) {
+        T* row = xp + t * sx;
+        rope_heads_inplace<T>(row, cp + t * sc, snp + t * ss, q_heads + hkv, d, tmp);
+        const T* k = row + q_heads * d;
+        std::copy(k, k + kv, kp + sp[t] * sk);
+        std::copy(k + kv, k + 2 * kv, vp + sp[t] * sv);
+      }
+    });
+  };
+  with_dtype(dt, run);
+  return qkv.narrow(1, 0, q_heads * d).view({n, q_heads, d});
+}
+
 }  // namespace
 
 // Each tier's build names its own op namespace (radixserve_<tier>: platform/kernels.py), so
@@ -224,9 +304,13 @@ at::Tensor rope_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(RADIXSERVE_OPS_NS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, int lanes=0) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
+  m.def(
+      "rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int q_heads, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slots) -> Tensor(a)");
 }
 
 TORCH_LIBRARY_IMPL(RADIXSERVE_OPS_NS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
+  m.impl("rope_store", &rope_store);
 }

@@ -32,7 +32,7 @@ from radixserve.model.layers.linear import (
 )
 from radixserve.model.layers.mlp import GatedMLP
 from radixserve.model.layers.norm import Residual, RMSNorm
-from radixserve.model.norm_rope import NormRope, load_norm_rope
+from radixserve.model.norm_rope import NormRope, RopeStore, load_norm_rope
 from radixserve.model.quantization.qweight import out_features
 from radixserve.model.rope import RotaryTable
 from radixserve.model.weights import LayerWeights, ModelWeights
@@ -111,16 +111,33 @@ class ModelParts:
         return GatedMLP(gate_up, down, act)
 
 
+@dataclass(frozen=True)
+class PoolViews:
+    """A forward's fixed part: the backend as a StoredKVAttention or None (a runtime
+    Protocol's isinstance costs ~12 us) and the pool's per-layer views (two selects per layer
+    and forward otherwise)."""
+
+    backend: AttentionBackend
+    attend: StoredKVAttention | None
+    k_cache: torch.Tensor  # (layers, num_slots, kv_heads, head_dim)
+    v_cache: torch.Tensor
+    k_layers: tuple[torch.Tensor, ...]  # (num_slots, kv_heads, head_dim) each
+    v_layers: tuple[torch.Tensor, ...]
+
+
 class CausalLM:
     """A decoder-only LM: `forward` maps a ragged batch to the sampled rows' logits."""
 
     def __init__(self, spec: ModelArch, embed: VocabEmbedding, layers: Sequence[DecoderLayer],
                  final_norm: RMSNorm, lm_head: LMHead, backend: AttentionBackend,
-                 fused: bool) -> None:
+                 fused: bool, rope_store: RopeStore | None = None) -> None:
         self.spec, self.embed_tokens, self.layers = spec, embed, list(layers)
         self.final_norm, self.lm_head = final_norm, lm_head
         self.backend = backend  # kv_calibration swaps it for one forward
         self.fused = fused
+        # norm_rope's native RoPE + K/V store (CPU; the layers' own ops): the stored path
+        self.rope_store = rope_store
+        self._views: PoolViews | None = None
 
     @property
     def embed(self) -> torch.Tensor:  # (vocab or the rank's shard, hidden)
@@ -141,9 +158,14 @@ class CausalLM:
         logit_rows: torch.Tensor,  # (N,) which token rows need logits
         kv_scales: Sequence[KVScale] | None = None,  # per layer, for an 8-bit KV cache
     ) -> torch.Tensor:  # (N, vocab) float32
+        pool = self._pool_views(k_cache, v_cache)
         # A backend without attend() (e.g. calibration's recorder) runs the unfused order.
-        fused = self.fused and isinstance(self.backend, StoredKVAttention)
-        ctx = ForwardContext(positions, meta, k_cache, v_cache, kv_scales, self.backend, fused)
+        fused = self.fused and pool.attend is not None
+        # the stored path: a pool in the model's dtype (rope_store does not quantize)
+        stored = (not fused and pool.attend is not None and self.rope_store is not None
+                  and kv_scales is None and k_cache.dtype == self.embed.dtype)
+        ctx = ForwardContext(positions, meta, k_cache, v_cache, kv_scales, pool.backend, fused,
+                             pool.k_layers, pool.v_layers, stored, pool.attend)
         stream = Residual(self.embed_tokens(input_ids), fused)  # (T, hidden)
         for layer in self.layers:
             layer.forward(ctx, stream)
@@ -156,6 +178,18 @@ class CausalLM:
         if logit_rows.shape[0] != h.shape[0]:
             h = h.index_select(0, logit_rows)  # (N, hidden)
         return self.lm_head(self.final_norm(h))  # (N, vocab)
+
+
+    def _pool_views(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> PoolViews:
+        """What stays while the backend and the pool do, made once rather than per forward."""
+        views = self._views
+        if (views is None or views.backend is not self.backend or views.k_cache is not k_cache
+                or views.v_cache is not v_cache):
+            backend = self.backend
+            attend = backend if isinstance(backend, StoredKVAttention) else None
+            views = self._views = PoolViews(backend, attend, k_cache, v_cache,
+                                            k_cache.unbind(0), v_cache.unbind(0))
+        return views
 
 
 def model_parts(spec: ModelArch, method: LinearMethod, max_positions: int,

@@ -67,11 +67,14 @@ def read_model_spec(hf_dir: Path) -> ModelArch:
 
 
 def _fused(backend: AttentionBackend, fused: bool | None) -> bool:
-    """The fused-kernel path where the backend attends over stored K/V (None: decide)."""
+    """The fused-kernel path where the backend attends over stored K/V and runs the Triton
+    kernels (None: decide)."""
+    runs = isinstance(backend, StoredKVAttention) and backend.fused_kernels
     if fused is None:
-        return isinstance(backend, StoredKVAttention)
-    if fused and not isinstance(backend, StoredKVAttention):
-        raise ValueError(f"fused kernels need a backend with attend(), not {type(backend)}")
+        return runs
+    if fused and not runs:
+        raise ValueError(f"fused kernels need a backend with attend() and the Triton kernels, "
+                         f"not {type(backend)}")
     return fused
 
 
@@ -99,7 +102,8 @@ def build_model(spec: ModelArch, weights: ModelWeights, backend: AttentionBacken
     embed, head = head_and_embed(parts, weights, shard, quantize_lm_head,
                                  family.head.embed_scale(spec), family.head.final_softcap(spec))
     final_norm = parts.norm(weights.final_norm, family.head.gemma_final_norm)
-    return CausalLM(spec, embed, layers, final_norm, head, backend, is_fused)
+    return CausalLM(spec, embed, layers, final_norm, head, backend, is_fused,
+                    parts.ops.rope_store)
 
 
 def load_model(hf_dir: Path, spec: ModelArch, backend: AttentionBackend, max_positions: int,

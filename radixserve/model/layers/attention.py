@@ -3,8 +3,10 @@ heads' outputs: QK-norm, rotary embeddings (full or partial), the K/V store and 
 the AttentionBackend with the layer's scale, sliding window and logit soft-cap.
 
 Owns: the order of those steps and the kernel for each: on the fused path (Triton backend)
-RoPE and the K/V store as one kernel (triton_kernels.rope_qk_store) and backend.attend; else
-norm_rope.py's rope_qk (native CPU op or torch) and backend.forward; partial rotary in torch.
+RoPE and the K/V store as one kernel (triton_kernels.rope_qk_store) and backend.attend; on
+the stored path (CPU, native ops, a pool in the model's dtype) likewise with norm_rope.py's
+rope_store; else norm_rope.py's rope_qk (native CPU op or torch) and backend.forward; partial
+rotary in torch.
 Does not know: the projections (the family calls them), configs, requests.
 """
 
@@ -14,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.attention.base import StoredKVAttention
 from radixserve.model.layers.context import ForwardContext
 from radixserve.model.layers.norm import RMSNorm
 from radixserve.model.norm_rope import NormRope
@@ -61,6 +62,8 @@ class Attention:
 
     def __call__(self, ctx: ForwardContext, qkv: torch.Tensor) -> torch.Tensor:
         s = self.shape
+        if ctx.stored and not self.rotary.partial:
+            return self._stored(ctx, qkv)
         if ctx.fused and not self.rotary.partial:
             return self._fused(ctx, qkv)
         qk_size = s.q_size + s.kv_size
@@ -79,9 +82,34 @@ class Attention:
         q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         v = qkv[:, qk_size:].view(-1, s.num_kv_heads, s.head_dim)
         i = s.layer
-        out = ctx.backend.forward(q, k, v, ctx.k_cache[i], ctx.v_cache[i], ctx.meta, s.scale,
+        out = ctx.backend.forward(q, k, v, ctx.k_layers[i], ctx.v_layers[i], ctx.meta, s.scale,
                                   ctx.kv_scale(i), window=s.sliding_window,
                                   softcap=s.logit_softcap)
+        return out.reshape(-1, s.q_size)  # (T, heads * head_dim)
+
+    def _qk_norm_in_place(self, qkv: torch.Tensor) -> None:
+        """QK-norm (Qwen3) of qkv's q and k heads, written back into qkv (T, q + 2 kv)."""
+        if self.q_norm is None or self.k_norm is None:
+            return
+        s = self.shape
+        q = qkv[:, : s.q_size].view(-1, s.num_heads, s.head_dim)
+        k = qkv[:, s.q_size : s.q_size + s.kv_size].view(-1, s.num_kv_heads, s.head_dim)
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
+
+    def _stored(self, ctx: ForwardContext, qkv: torch.Tensor) -> torch.Tensor:
+        """RoPE and the K/V store in one native call (CPU), then attention over the pool: at
+        batch 1 a layer's calls and their Python cost more than their arithmetic."""
+        s, i = self.shape, self.shape.layer
+        self._qk_norm_in_place(qkv)
+        cos, sin = ctx.cos_sin(self.rotary)  # (T, head_dim) each
+        k_cache, v_cache = ctx.k_layers[i], ctx.v_layers[i]
+        rope_store, backend = self.ops.rope_store, ctx.attend
+        assert rope_store is not None and backend is not None
+        # (T, heads, D) rotated, a view of qkv
+        q = rope_store(qkv, cos, sin, s.num_heads, k_cache, v_cache, ctx.meta.out_slots)
+        out = backend.attend(q, k_cache, v_cache, ctx.meta, s.scale, window=s.sliding_window,
+                             softcap=s.logit_softcap, check=i == 0)
         return out.reshape(-1, s.q_size)  # (T, heads * head_dim)
 
     def _fused(self, ctx: ForwardContext, qkv: torch.Tensor) -> torch.Tensor:
@@ -89,21 +117,17 @@ class Attention:
         from triton_kernels.rope import rope_qk_store
 
         s, i = self.shape, self.shape.layer
-        if self.q_norm is not None and self.k_norm is not None:  # normalized in place
-            q = qkv[:, : s.q_size].view(-1, s.num_heads, s.head_dim)
-            k = qkv[:, s.q_size : s.q_size + s.kv_size].view(-1, s.num_kv_heads, s.head_dim)
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
+        self._qk_norm_in_place(qkv)
         kv_scale = ctx.kv_scale(i)
         ks, vs = (None, None) if kv_scale is None else kv_scale
         # Argument checks cost as much host time as the launch: layer 0's operands have
         # every later layer's shapes, dtypes and devices.
         rope_qk_store(qkv, self.rotary.cos, self.rotary.sin, ctx.positions, s.num_heads,
-                      ctx.k_cache[i], ctx.v_cache[i], ctx.meta.out_slots, ks, vs,
+                      ctx.k_layers[i], ctx.v_layers[i], ctx.meta.out_slots, ks, vs,
                       check=i == 0)
-        backend = ctx.backend
-        assert isinstance(backend, StoredKVAttention)
+        backend = ctx.attend
+        assert backend is not None
         q = qkv[:, : s.q_size].view(-1, s.num_heads, s.head_dim)  # (T, heads, D) rotated
-        out = backend.attend(q, ctx.k_cache[i], ctx.v_cache[i], ctx.meta, s.scale, kv_scale,
+        out = backend.attend(q, ctx.k_layers[i], ctx.v_layers[i], ctx.meta, s.scale, kv_scale,
                              window=s.sliding_window, softcap=s.logit_softcap, check=i == 0)
         return out.reshape(-1, s.q_size)

@@ -1,8 +1,10 @@
 """ForwardContext: what every layer of one forward reads, built once per forward by the model.
 
-Owns: the per-forward inputs (positions, attention metadata, the pool's K/V, the 8-bit pool's
-scales), the attention backend, and the one choice made per forward: fused (the residual
-stream kept apart and the Triton kernels' fused add-norm, RoPE+store, silu_mul) or not.
+Owns: the per-forward inputs (positions, attention metadata, the pool's K/V and each layer's
+view of it, the 8-bit pool's scales), the attention backend, and the two choices made per
+forward: fused (the residual stream kept apart and the Triton kernels' fused add-norm,
+RoPE+store, silu_mul) or not, and stored (the unfused loop on CPU: each layer's RoPE and K/V
+store as norm_rope's native rope_store, then the backend attends over the pool) or not.
 Does not know: layers, weights, families.
 """
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, StoredKVAttention
 from radixserve.attention.kv_quant import KVScale
 from radixserve.model.rope import RotaryTable
 
@@ -27,6 +29,13 @@ class ForwardContext:
     kv_scales: Sequence[KVScale] | None  # per layer, for an 8-bit KV cache
     backend: AttentionBackend
     fused: bool  # the Triton fused kernels (the backend attends over K/V the model stored)
+    # (layers,) views (num_slots, kv_heads, head_dim) of k_cache / v_cache, one per layer
+    k_layers: Sequence[torch.Tensor]
+    v_layers: Sequence[torch.Tensor]
+    stored: bool = False  # unfused, RoPE + K/V store by rope_store, then backend.attend
+    # the backend where it attends over stored K/V (fused or stored), else None: checked once
+    # per forward (a runtime Protocol's isinstance costs ~12 us, more than a layer's RoPE)
+    attend: StoredKVAttention | None = None
     # cos/sin of the positions per rotary table, looked up once per forward, not per layer
     _cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 

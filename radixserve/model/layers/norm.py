@@ -51,6 +51,8 @@ class RMSNorm:
         # model dtype (exact in fp32, one rounding more in bf16).
         self.weight32 = (1.0 + weight.float()) if gemma else None  # (dim,)
         self.weight = self.weight32.to(weight.dtype) if self.weight32 is not None else weight
+        # rows (T, dim) -> normalized (T, dim), the op's choices made once (not Gemma's)
+        self.rows = ops.bound_rms_norm(self.weight, eps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
         if self.weight32 is not None:
@@ -58,14 +60,13 @@ class RMSNorm:
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (xf * self.weight32).to(x.dtype)
         if x.dim() != 2:  # per head (QK-norm): (T, heads, D) as (T * heads, D) rows
-            return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight,
-                                     self.eps).view(x.shape)
-        return self.ops.rms_norm(x, self.weight, self.eps)
+            return self.rows(x.reshape(-1, x.shape[-1])).view(x.shape)
+        return self.rows(x)
 
     def of(self, stream: Residual, check: bool = False) -> torch.Tensor:
         """The normalized stream (T, dim), after adding what is pending (the fused kernel)."""
         if not stream.fused:
-            return self(stream.h)
+            return self(stream.h) if self.weight32 is not None else self.rows(stream.h)
         from triton_kernels.fused_add_rmsnorm import fused_add_rmsnorm, rms_norm
 
         x = stream.pending
