@@ -10,6 +10,7 @@
 // (load16). A build's name carries a digest of this header (platform/native_build.py).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -19,6 +20,18 @@
 namespace radixserve_fp8 {
 
 enum class Format { E4M3, E5M2 };
+
+// What one block's pass over one KV head's rows reads (the AVX-512 kernels'): rows `base +
+// slots[t0 + j] * stride` (base: the pool plus the KV head's offset), j < n; query heads h0 ..
+// h0 + ng - 1.
+struct Slice {
+  const uint8_t* base;
+  int64_t stride;
+  const int32_t* slots;
+  int64_t t0, n, h0, ng;
+  // keys past n (a short last block): a repeat of the last one, masked off at the store
+  const uint8_t* row(int64_t j) const { return base + slots[t0 + std::min(j, n - 1)] * stride; }
+};
 
 // One byte -> its value (exact; NaN codes are never stored: the store saturates).
 template <Format F>

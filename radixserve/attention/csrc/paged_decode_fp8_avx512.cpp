@@ -35,6 +35,7 @@ namespace {
 
 using radixserve_bf16::bf16_t;
 using radixserve_fp8::Format;
+using radixserve_fp8::Slice;
 using radixserve_fp8::permuted32;
 
 constexpr int64_t BLK = 16;  // keys per block
@@ -50,16 +51,6 @@ inline void widen_row(const uint8_t* p, __m512* x) {
   for (int64_t c = 0; c < D / 32; ++c) radixserve_fp8::widen32<F>(p + 32 * c, x[2 * c], x[2 * c + 1]);
 }
 
-// What one block's pass over one KV head's rows reads: rows `base + slots[t0 + j] * stride`
-// (base: the pool plus the KV head's offset), j < n; query heads h0 .. h0 + ng - 1.
-struct Slice {
-  const uint8_t* base;
-  int64_t stride;
-  const int32_t* slots;
-  int64_t t0, n, h0, ng;
-  // keys past n (a short last block): a repeat of the last one, masked off at the store
-  const uint8_t* row(int64_t j) const { return base + slots[t0 + std::min(j, n - 1)] * stride; }
-};
 
 // The 16-lane dot products of the first ng of G heads' q with one key's row (one chain each:
 // the heads and keys in flight hide the FMA latency).

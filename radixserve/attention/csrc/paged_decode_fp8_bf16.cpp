@@ -38,6 +38,7 @@ namespace {
 using radixserve_bf16::bf16_t;
 using radixserve_fp8::Bf16Lut;
 using radixserve_fp8::Format;
+using radixserve_fp8::Slice;
 using radixserve_vec::reduce16;
 using radixserve_vec::reduce4;
 
@@ -48,14 +49,6 @@ constexpr int64_t BLK = 16;  // keys per block
 template <int64_t D>
 constexpr int64_t heads_at_once() { return D == 64 ? 3 : D == 128 ? 2 : 1; }
 
-// What one pass reads: KV head rows `base + slots[t0 + j] * stride`, j < n; heads h0 .. +ng.
-struct Slice {
-  const uint8_t* base;
-  int64_t stride;
-  const int32_t* slots;
-  int64_t t0, n, h0, ng;
-  const uint8_t* row(int64_t j) const { return base + slots[t0 + std::min(j, n - 1)] * stride; }
-};
 
 // Scaled scores of the slice's heads for its keys, into sc (hq, len). qb: (hq, D) bf16 in
 // perm64's order per 64 dims; hscale: the scale times k_scale of the slice's KV head.
