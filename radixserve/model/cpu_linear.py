@@ -105,10 +105,12 @@ class Linear:
 
     def _panel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         assert self.panel is not None and self.panels is not None
-        x2 = x.reshape(-1, x.shape[-1])  # (M, in): leading dims flattened
-        r2 = None if residual is None else residual.reshape(-1, self.out_features)
-        y = self.panel.linear(x2, self.panels, self.out_features, self.bias32, r2, False)
-        return y.view(*x.shape[:-1], self.out_features)
+        op, n = self.panel.linear, self.out_features
+        if x.dim() == 2:  # the forward's case: no reshapes (121 calls a decode step)
+            return op(x, self.panels, n, self.bias32, residual, False)
+        r2 = None if residual is None else residual.reshape(-1, n)
+        y = op(x.reshape(-1, x.shape[-1]), self.panels, n, self.bias32, r2, False)  # (M, n)
+        return y.view(*x.shape[:-1], n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         if self.panel is not None:
@@ -158,8 +160,10 @@ class GateUp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.op is not None:
             assert self.panels is not None
-            x2 = x.reshape(-1, x.shape[-1])  # (M, hidden)
-            y = self.op.linear(x2, self.panels, self.inter, None, None, True)
+            if x.dim() == 2:
+                return self.op.linear(x, self.panels, self.inter, None, None, True)
+            y = self.op.linear(x.reshape(-1, x.shape[-1]), self.panels, self.inter, None, None,
+                               True)  # (M, inter)
             return y.view(*x.shape[:-1], self.inter)
         lp = torch.ops.mkldnn._linear_pointwise
         act = lp(x, self.gate, None, "swish", [], "")  # silu(x @ gate.T): (M, inter)

@@ -1,14 +1,13 @@
 """RMSNorm and rotary embeddings as single-pass native CPU ops, and their specifications.
 
 Owns: loading csrc/norm_rope.cpp's ops `rms_norm` / `rope_qk` / `rope_store` at the process's
-CPU tier
-(platform/kernels.py's NORM_ROPE: compiled without -ffast-math and without FMA contraction, so
-the ops round as the torch code does; fp32 RMSNorm adds its squares in torch's order, found
-per hidden size: NativeRmsNorm), and `rms_norm_reference` / `rope_qk_reference` /
-`rope_store_reference`: the torch code they replace (rope_store has no torch path in a forward:
-without the native op a layer runs rope_qk and the backend's own store), which is also the path on CUDA with the torch attention backend (the
-Triton backend's forward runs layers/' fused Triton path instead), without the build, or with
-RADIXSERVE_NO_CPU_KERNELS=1. Does not know: layers, the attention backend, where the cos/sin
+CPU tier (platform/kernels.py's NORM_ROPE: compiled without -ffast-math and without FMA
+contraction, so the ops round as the torch code does; fp32 RMSNorm adds its squares in torch's
+order, found per hidden size: NativeRmsNorm), and `rms_norm_reference` / `rope_qk_reference` /
+`rope_store_reference`: the torch code they replace, which is also the path on CUDA with the
+torch attention backend (the Triton backend's forward runs layers/' fused Triton path
+instead), without the build, or with RADIXSERVE_NO_CPU_KERNELS=1 (rope_store has no torch
+path in a forward: without the native op a layer runs rope_qk and the backend's own store). Does not know: layers, the attention backend, where the cos/sin
 tables come from (model/rope.py).
 
 Why: the torch forms run 4-6 elementwise ops per call, each a pass over (and a fresh
@@ -135,10 +134,7 @@ class NativeRmsNorm:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32:
             return self.native(x, weight, eps)
-        hidden = x.shape[-1]
-        if hidden not in self._lanes:
-            self._lanes[hidden] = self._torch_lanes(hidden)
-        lanes = self._lanes[hidden]
+        lanes = self._lanes_for(x.shape[-1])
         if lanes is None or x.stride(-1) != 1:
             return rms_norm_reference(x, weight, eps)
         return self.native(x, weight, eps, lanes)
@@ -148,14 +144,17 @@ class NativeRmsNorm:
         native = self.native
         if weight.dtype != torch.float32:
             return lambda x: native(x, weight, eps)
-        hidden = weight.shape[0]
-        if hidden not in self._lanes:
-            self._lanes[hidden] = self._torch_lanes(hidden)
-        lanes = self._lanes[hidden]
+        lanes = self._lanes_for(weight.shape[0])
         if lanes is None:
             return lambda x: rms_norm_reference(x, weight, eps)
         return lambda x: (native(x, weight, eps, lanes) if x.stride(-1) == 1
                           else rms_norm_reference(x, weight, eps))
+
+    def _lanes_for(self, hidden: int) -> int | None:
+        """The lane count matching torch's fp32 sum at this hidden size, found once."""
+        if hidden not in self._lanes:
+            self._lanes[hidden] = self._torch_lanes(hidden)
+        return self._lanes[hidden]
 
     def _torch_lanes(self, hidden: int) -> int | None:
         if hidden >= TORCH_SPLIT_ELEMENTS:

@@ -9,7 +9,8 @@
 
 namespace radixserve_vec {
 
-// e^x for 16 lanes of x in [-80, 0] (the softmax's clamped arguments), inline: n = round(x /
+// e^x for 16 lanes of x in [-87, 88] (the softmax's arguments, clamped to [-80, 0]; the panel
+// GEMM's silu, model/csrc/panel_gemm.h, uses the rest), inline: n = round(x /
 // ln 2), r = x - n ln 2 in two steps (ln 2's high part exact in 11 bits, so n * hi is exact),
 // e^r by a degree-7 polynomial on |r| <= ln 2 / 2 (Cephes' expf coefficients; ~1 ulp),
 // times 2^n by vscalefps. libmvec's vector expf is as accurate but a call per vector, with
@@ -108,8 +109,8 @@ namespace radixserve_vec {
 
 // exp_ps's 8-lane form for the avx2 tier (the 8-lane helpers are also built at the AVX-512
 // tiers, for kernels that sum 8-lane partial dot products with sum8): the same reduction and
-// polynomial; 2^n built in the exponent field (n + 127 >= 11 for x >= -80: always a normal
-// float), as AVX2 has no vscalefps.
+// polynomial; 2^n built in the exponent field (n in [-126, 127] for x in [-87, 88]: always a
+// normal float), as AVX2 has no vscalefps.
 inline __m256 exp256(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -34,6 +34,8 @@
 #endif
 #if RS_PANEL_AVX512 || RS_PANEL_AVX2
 #include <immintrin.h>
+
+#include "../../attention/csrc/vec_math.h"  // exp_ps, exp256: the gated epilogue's silu
 #endif
 #if RS_PANEL_AVX512 && defined(__AVX512BF16__)
 #define RS_PANEL_DPBF16 1
@@ -66,11 +68,7 @@ struct Vec {
   static T clamp(T v, float lo, float hi) {
     return _mm512_min_ps(_mm512_max_ps(v, bcast(lo)), bcast(hi));
   }
-  static T round(T v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static T pow2(T n) {  // 2^n for integral n in [-126, 127]: the exponent field
-    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  }
+  static T exp(T x) { return radixserve_vec::exp_ps(x); }  // x in [-87, 88]
 };
 #elif RS_PANEL_AVX2
 struct Vec {
@@ -93,11 +91,7 @@ struct Vec {
   static T clamp(T v, float lo, float hi) {
     return _mm256_min_ps(_mm256_max_ps(v, bcast(lo)), bcast(hi));
   }
-  static T round(T v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static T pow2(T n) {
-    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-  }
+  static T exp(T x) { return radixserve_vec::exp256(x); }  // x in [-87, 88]
 };
 #else
 struct Vec {  // plain C++ (any CPU): no -ffast-math, no contraction, so a product then a sum
@@ -135,21 +129,12 @@ constexpr int kC = 2;              // vectors per panel row
 constexpr int kR = kC * Vec::L;    // output channels per panel
 
 #if RS_PANEL_AVX512 || RS_PANEL_AVX2
-// silu(g) = g / (1 + exp(-g)) on a vector, for the gated epilogue: a scalar expf per output
-// cost prefill's SwiGLU about a third of its GEMM time. exp(x) = 2^n e^r with n = round(x /
-// ln 2) and r = x - n ln 2 (ln 2 in two parts, so r is exact to fp32), |r| <= ln 2 / 2, and
-// e^r by its Taylor series to r^7 (the first term left out, r^8 / 8!, is below 2^-27
-// relative; silu is within 1.3 ulp of float64's, as torch's own). x is clamped to [-87, 88],
-// where 2^n is a normal float: for g below -88, silu(g) (under 1e-36) comes out as g e^-88.
+// silu(g) = g / (1 + exp(-g)) on a vector, for the gated epilogue (a scalar expf per output
+// cost prefill's SwiGLU about a third of its GEMM time), by the attention kernels' vector exp
+// (vec_math.h; ~1 ulp). Its argument clamped to [-87, 88], where 2^n is a normal float: for g
+// below -88, silu(g) (under 1e-36) comes out as g e^-88.
 inline Vec::T silu(Vec::T g) {
-  const Vec::T x = Vec::clamp(Vec::mul(g, Vec::bcast(-1.f)), -87.f, 88.f);
-  const Vec::T n = Vec::round(Vec::mul(x, Vec::bcast(1.44269504f)));  // x / ln 2
-  Vec::T r = Vec::fma(n, Vec::bcast(-0.693359375f), x);  // ln 2's high part: n * it exact
-  r = Vec::fma(n, Vec::bcast(2.12194440e-4f), r);        // ... and the rest
-  Vec::T p = Vec::bcast(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = Vec::fma(p, r, Vec::bcast(c));
-  const Vec::T e = Vec::mul(p, Vec::pow2(n));  // exp(-g)
+  const Vec::T e = Vec::exp(Vec::clamp(Vec::mul(g, Vec::bcast(-1.f)), -87.f, 88.f));
   return Vec::div(g, Vec::add(Vec::bcast(1.f), e));
 }
 #endif
