@@ -120,7 +120,10 @@ class ZmqKVEventPublisher:
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(cfg.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._topic = cfg.topic.encode("utf-8")
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        # Its own context, not the process's shared one: close() terminates it, which returns
+        # only once its I/O thread has closed the listening sockets, so the ports are free
+        # when close() returns (a socket's close alone hands that to the I/O thread, later).
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(cfg.hwm)
         self._replay: zmq.Socket[bytes] | None = None
@@ -170,6 +173,7 @@ class ZmqKVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        self._ctx.term()
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()

@@ -296,7 +296,11 @@ async def test_displacement_with_the_real_scheduler(tiny_llama: Path, tmp_path: 
                 assert resp.status == 200
                 assert (await resp.json())["usage"]["completion_tokens"] == 4
         idle = server.wait_idle()
-        assert idle["num_aborted_requests"] == 2 and idle["kv_held_tokens"] == 0
+        # The close aborts the running request unless all its 1000 tokens were out by then (a
+        # fast CPU decodes them in ~1-2 s): the displaced one, and that one if it still ran.
+        ran_out = idle["generation_tokens"] == 1000 + 2 * 4
+        assert idle["num_aborted_requests"] == (1 if ran_out else 2), idle
+        assert idle["kv_held_tokens"] == 0
 
         def integrity_ok() -> bool:
             return server.info()["stats"].get("integrity_ok") is True
