@@ -12,7 +12,10 @@ weight bytes / the machine's read bandwidth. This measures both, side by side:
   prefill (schedule, forward, sample), and where it goes: the linear layers (LM head
   included), attention with the KV store, the rest of the forward (embedding, norms, RoPE),
   and the step outside the forward.
-Prints per (tier, dtype, batch): step ms, floor ms (weight bytes / bandwidth) and their ratio.
+Prints per (tier, dtype, batch): step ms, floor ms (weight bytes / bandwidth) and their ratio:
+the bandwidth is probed right before each run, and the ratio is the median over runs of
+each run's median step over its own floor (side by side, as a shared machine's bandwidth
+drifts).
 Each (tier, dtype) runs in its own process with $RADIXSERVE_CPU_ISA set (the native kernels
 at that tier) and oneDNN's and ATen's dispatch capped alike (ONEDNN_MAX_CPU_ISA,
 ATEN_CPU_CAPABILITY), so that a capped tier stands for a CPU of that tier.
@@ -100,27 +103,43 @@ def instrument(llm: LLM, clock: StepClock) -> None:
     engine.step = timed_step  # type: ignore[method-assign]
 
 
-def measure(llm: LLM, clock: StepClock, batch: int, output_len: int, runs: int
-            ) -> dict[str, float]:
-    """Median decode step (every step after the first: the prefill) over `runs` runs."""
+def measure(llm: LLM, clock: StepClock, batch: int, output_len: int, runs: int,
+            weight_bytes: int) -> dict[str, Any]:
+    """Median decode step (every step after the first: the prefill) over `runs` runs, and
+    the floor side by side: the read bandwidth is probed right before each run, and each
+    run's ratio is its median step over its own floor (a shared machine's bandwidth drifts
+    by tens of percent within minutes; one probe per process made the ratio swing with it).
+    """
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     steps: list[float] = []
     parts: dict[str, list[float]] = defaultdict(list)
+    probes: list[tuple[float, float | None]] = []
+    ratios: list[float] = []
     for _ in range(runs):
         prompts = [torch.randint(100, 40000, (16,), generator=g).tolist() for _ in range(batch)]
         llm.engine.flush_cache()
+        probes.append(read_bandwidth(now=clock.now))
         clock.steps.clear()
         clock.parts.clear()
         llm.generate(prompts, params)
         steps += clock.steps[1:]
+        ratios.append(statistics.median(clock.steps[1:]) / floor_s(weight_bytes, probes[-1]))
         for p in clock.parts[1:]:
             for name in ("forward", "linear", "attention"):
                 parts[name].append(p.get(name, 0.0))
     step = statistics.median(steps)
     fwd, lin, att = (statistics.median(parts[n]) for n in ("forward", "linear", "attention"))
+    huge = [h for _, h in probes if h is not None]
     return {"step": step, "linear": lin, "attention": att, "other fwd": fwd - lin - att,
-            "outside fwd": step - fwd}
+            "outside fwd": step - fwd, "ratio": statistics.median(ratios), "ratios": ratios,
+            "bandwidth": statistics.median(b for b, _ in probes),
+            "bandwidth_huge": statistics.median(huge) if huge else None}
+
+
+def floor_s(weight_bytes: int, probe: tuple[float, float | None]) -> float:
+    """Seconds to read the weights once at the faster of a probe's two bandwidths (GB/s)."""
+    return weight_bytes / (max(probe[0], probe[1] or 0.0) * 1e9)
 
 
 # What each tier caps the libraries' own dispatch to (oneDNN's GEMMs, ATen's vector kernels),
@@ -141,12 +160,10 @@ def worker(args: argparse.Namespace) -> None:
     clock = StepClock(now)
     instrument(llm, clock)
     llm.generate([[100, 200, 300]], SamplingParams(temperature=0, max_tokens=4))
-    bandwidth, bandwidth_huge = read_bandwidth(now=now)
     pages = llm.engine.runner.weight_pages
     for batch in (int(b) for b in args.batches.split(",")):
-        m = measure(llm, clock, batch, args.output_len, args.runs)
+        m = measure(llm, clock, batch, args.output_len, args.runs, layers + head)
         print(json.dumps({"tier": args.tier, "dtype": args.dtype, "batch": batch, **m,
-                          "bandwidth": bandwidth, "bandwidth_huge": bandwidth_huge,
                           "weight_pages": None if pages is None else pages.describe(),
                           "weight_bytes": layers + head,
                           "kernels": getattr(llm.engine.runner, "cpu_kernels", None),
@@ -202,16 +219,16 @@ def main() -> None:
         if r["batch"] == rows[0]["batch"]:
             print(f"{r['tier']} {r['dtype']}: weights: {r['weight_pages'] or '4 KB pages'}")
     print("floor: weight bytes / the faster of the two bandwidths (a sum over 1 GiB in 4 KB "
-          "and in 2 MB pages)")
+          "and in 2 MB pages), probed before each run; ratio: the median over runs of each "
+          "run's step / its own floor")
     print(f"\n{'tier':12s} {'dtype':9s} {'B':>2s} {'step ms':>8s} {'floor ms':>8s} "
           f"{'ratio':>6s} {'GB/s 4K':>7s} {'GB/s 2M':>7s} {'weights MB':>10s} | "
           f"{'linear':>6s} {'attn':>6s} {'other':>6s} {'outside':>7s}  (ms)")
     for r in rows:
-        best = max(r["bandwidth"], r["bandwidth_huge"] or 0.0)
-        floor = r["weight_bytes"] / (best * 1e9)
+        floor = floor_s(r["weight_bytes"], (r["bandwidth"], r["bandwidth_huge"]))
         huge = "-" if r["bandwidth_huge"] is None else f"{r['bandwidth_huge']:.1f}"
         print(f"{r['tier']:12s} {r['dtype']:9s} {r['batch']:2d} {r['step'] * 1e3:8.1f} "
-              f"{floor * 1e3:8.1f} {r['step'] / floor:5.2f}x {r['bandwidth']:7.1f} {huge:>7s} "
+              f"{floor * 1e3:8.1f} {r['ratio']:5.2f}x {r['bandwidth']:7.1f} {huge:>7s} "
               f"{r['weight_bytes'] / 1e6:10.0f} | {r['linear'] * 1e3:6.1f} "
               f"{r['attention'] * 1e3:6.1f} {r['other fwd'] * 1e3:6.1f} "
               f"{r['outside fwd'] * 1e3:7.1f}")
