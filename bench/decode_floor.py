@@ -132,7 +132,7 @@ def measure(llm: LLM, clock: StepClock, batch: int, output_len: int, runs: int,
     fwd, lin, att = (statistics.median(parts[n]) for n in ("forward", "linear", "attention"))
     huge = [h for _, h in probes if h is not None]
     return {"step": step, "linear": lin, "attention": att, "other fwd": fwd - lin - att,
-            "outside fwd": step - fwd, "ratio": statistics.median(ratios), "ratios": ratios,
+            "outside fwd": step - fwd, "ratio": statistics.median(ratios),
             "bandwidth": statistics.median(b for b, _ in probes),
             "bandwidth_huge": statistics.median(huge) if huge else None}
 

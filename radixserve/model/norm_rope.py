@@ -7,8 +7,9 @@ order, found per hidden size: NativeRmsNorm), and `rms_norm_reference` / `rope_q
 `rope_store_reference`: the torch code they replace, which is also the path on CUDA with the
 torch attention backend (the Triton backend's forward runs layers/' fused Triton path
 instead), without the build, or with RADIXSERVE_NO_CPU_KERNELS=1 (rope_store has no torch
-path in a forward: without the native op a layer runs rope_qk and the backend's own store). Does not know: layers, the attention backend, where the cos/sin
-tables come from (model/rope.py).
+path in a forward: without the native op a layer runs rope_qk and the backend's own store).
+Does not know: layers, the attention backend, where the cos/sin tables come from
+(model/rope.py).
 
 Why: the torch forms run 4-6 elementwise ops per call, each a pass over (and a fresh
 allocation of) the whole activation, and a forward makes 91 calls (two norms per layer, the
@@ -37,7 +38,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
         xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return xf.mul_(weight)  # weight * xf in place: the same products, one tensor fewer
     # One fp32-accumulating reduction over the bf16 input instead of upcasting it first, and
-    # the fp32 scale fused into the multiply: faster than F.rms_norm on CPU, and closer to HF (it rounds once where F.rms_norm's bf16 path rounds twice).
+    # the fp32 scale fused into the multiply: faster than F.rms_norm on CPU, and closer to HF
+    # (it rounds once where F.rms_norm's bf16 path rounds twice).
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # (T, 1)
     rstd = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
     return (x * rstd).to(dtype) * weight

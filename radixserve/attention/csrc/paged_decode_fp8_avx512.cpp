@@ -51,7 +51,6 @@ inline void widen_row(const uint8_t* p, __m512* x) {
   for (int64_t c = 0; c < D / 32; ++c) radixserve_fp8::widen32<F>(p + 32 * c, x[2 * c], x[2 * c + 1]);
 }
 
-
 // The 16-lane dot products of the first ng of G heads' q with one key's row (one chain each:
 // the heads and keys in flight hide the FMA latency).
 template <int64_t D, int64_t G>

@@ -49,7 +49,6 @@ constexpr int64_t BLK = 16;  // keys per block
 template <int64_t D>
 constexpr int64_t heads_at_once() { return D == 64 ? 3 : D == 128 ? 2 : 1; }
 
-
 // Scaled scores of the slice's heads for its keys, into sc (hq, len). qb: (hq, D) bf16 in
 // perm64's order per 64 dims; hscale: the scale times k_scale of the slice's KV head.
 template <int64_t D, Format F>
